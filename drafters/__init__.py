@@ -1,0 +1,1 @@
+"""Drafters: plug-ins that propose candidate continuations for the target to verify."""

@@ -1,0 +1,1 @@
+"""Attention kernels over the paged KV tree (Triton on GPU, torch on CPU)."""

@@ -1,0 +1,287 @@
+"""KV tree: a refcounted block pool whose branches form a tree.
+
+A branch sees the first `base` tokens of its parent (recursively) plus its own tokens.
+Forking is metadata only (one object, no per-block work); the only data ever copied is a
+shared, partially filled block at the moment someone writes into it (copy-on-write).
+Ancestors stay alive while any descendant lives; releasing a branch frees its own blocks.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class PoolExhausted(RuntimeError):
+    """Not enough free blocks; the pool and every branch are left unchanged."""
+
+
+class BranchReleased(RuntimeError):
+    """An operation on a branch that was already released."""
+
+
+class BlockPool:
+    """Per-layer K/V storage `[layers, num_blocks, block_size, kv_heads, head_dim]` + refcounts."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, block_size: int = 16,
+                 num_blocks: int | None = None, max_bytes: int | None = None,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        elsize = torch.empty((), dtype=dtype).element_size()
+        self.block_bytes = 2 * num_layers * block_size * kv_heads * head_dim * elsize
+        if num_blocks is None:
+            if max_bytes is None:
+                raise ValueError("BlockPool needs num_blocks or max_bytes")
+            num_blocks = max_bytes // self.block_bytes
+        if num_blocks <= 0:
+            raise ValueError(f"BlockPool: a budget of {num_blocks} blocks holds nothing")
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, dtype
+        shape = (num_layers, num_blocks, block_size, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.refcount = [0] * num_blocks
+        self.free = list(range(num_blocks - 1, -1, -1))  # stack: low ids first
+        self.peak_blocks = 0
+
+    # -- allocation ---------------------------------------------------------------------------
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise PoolExhausted(f"KV pool exhausted: need {n} blocks, {len(self.free)} free "
+                                f"of {self.num_blocks}")
+        out = [self.free.pop() for _ in range(n)]
+        for b in out:
+            self.refcount[b] = 1
+        self.peak_blocks = max(self.peak_blocks, self.used_blocks)
+        return out
+
+    def incref(self, b: int) -> None:
+        self.refcount[b] += 1
+
+    def decref(self, b: int) -> None:
+        rc = self.refcount[b] - 1
+        if rc < 0:
+            raise AssertionError(f"double free of block {b}")
+        self.refcount[b] = rc
+        if rc == 0:
+            self.free.append(b)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block in every layer (the only data copy the tree ever makes)."""
+        self.k[:, dst].copy_(self.k[:, src])
+        self.v[:, dst].copy_(self.v[:, src])
+
+    # -- views and accounting -----------------------------------------------------------------
+    def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer as flat slot arrays `[num_blocks * block_size, kv_heads, head_dim]`."""
+        shape = (-1, self.kv_heads, self.head_dim)
+        return self.k[layer].view(shape), self.v[layer].view(shape)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    @property
+    def shared_blocks(self) -> int:
+        return sum(1 for r in self.refcount if r > 1)
+
+    @property
+    def bytes_in_use(self) -> int:
+        return self.used_blocks * self.block_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak_blocks * self.block_bytes
+
+    def reset_peak(self) -> None:
+        self.peak_blocks = self.used_blocks
+
+
+class Branch:
+    """One node of the KV tree. `blocks[i]` holds logical block `base // block_size + i`."""
+
+    __slots__ = ("parent", "base", "length", "blocks", "children", "alive", "held", "__weakref__")
+
+    def __init__(self, parent: Branch | None, base: int, blocks: list[int]):
+        self.parent = parent
+        self.base = base          # tokens seen through the parent
+        self.length = base        # tokens seen in all (parent's + own)
+        self.blocks = blocks      # own (possibly shared, partial first) blocks
+        self.children: set[Branch] = set()
+        self.alive = True         # storage still held (by a handle or by descendants)
+        self.held = True          # the caller's handle is still open
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __repr__(self) -> str:
+        return f"Branch(base={self.base}, length={self.length}, blocks={self.blocks})"
+
+
+class KVTree:
+    """Branches over one BlockPool: fork, append (CoW), truncate, release, block tables."""
+
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+        self.bs = pool.block_size
+        self.live_branches = 0
+
+    # -- structure ----------------------------------------------------------------------------
+    def new_branch(self) -> Branch:
+        self.live_branches += 1
+        return Branch(None, 0, [])
+
+    def fork(self, br: Branch, at: int | None = None) -> Branch:
+        """A child that sees `br`'s first `at` tokens (default all). O(1): no block is touched
+        except one incref of a shared partial block."""
+        self._check(br)
+        if at is None:
+            at = br.length
+        elif not 0 <= at <= br.length:
+            raise ValueError(f"fork point {at} outside branch of length {br.length}")
+        owner = br
+        while at < owner.base:               # only when forking below br's own tokens
+            owner = owner.parent
+        blocks = []
+        if at % self.bs:
+            blk = owner.blocks[at // self.bs - owner.base // self.bs]
+            self.pool.incref(blk)
+            blocks.append(blk)
+        child = Branch(owner, at, blocks)
+        owner.children.add(child)
+        self.live_branches += 1
+        return child
+
+    def append(self, br: Branch, n: int) -> torch.Tensor:
+        """Reserve slots for `n` new tokens; returns their flat slot ids `[n]` (int64).
+        Copies the last block first if it is shared and partially filled."""
+        self._check(br)
+        if n < 0:
+            raise ValueError("append of a negative token count")
+        bs, pool = self.bs, self.pool
+        pos, end = br.length, br.length + n
+        first = br.base // bs
+        cow = pos % bs != 0 and n > 0 and pool.refcount[br.blocks[pos // bs - first]] > 1
+        new = -(-end // bs) - (-(-pos // bs))
+        if new + cow > len(pool.free):
+            raise PoolExhausted(f"KV pool exhausted: need {new + cow} blocks, "
+                                f"{len(pool.free)} free of {pool.num_blocks}")
+        if cow:
+            i = pos // bs - first
+            old = br.blocks[i]
+            (dst,) = pool.alloc(1)
+            pool.copy_block(old, dst)
+            pool.decref(old)
+            br.blocks[i] = dst
+        if new:
+            br.blocks.extend(pool.alloc(new))
+        br.length = end
+        return self._slots(br, pos, end)
+
+    def truncate(self, br: Branch, n: int) -> None:
+        """Keep the first `n` tokens. Forbidden below a live child's fork point."""
+        self._check(br)
+        if not 0 <= n <= br.length:
+            raise ValueError(f"truncate to {n} outside branch of length {br.length}")
+        if n < br.base:
+            raise ValueError(f"truncate to {n} would cut into the parent's {br.base} tokens")
+        for c in br.children:
+            if c.base > n:
+                raise ValueError(f"truncate to {n} below a live child's fork point {c.base}")
+        keep = -(-n // self.bs) - br.base // self.bs   # a shared partial first block stays
+        for blk in br.blocks[keep:]:
+            self.pool.decref(blk)
+        del br.blocks[keep:]
+        br.length = n
+
+    def release(self, br: Branch) -> None:
+        """Close the caller's handle. Storage goes once no descendant needs it; a handle-less
+        branch left with a single child is spliced out so depth stays bounded."""
+        self._check(br)
+        br.held = False
+        self.live_branches -= 1
+        self._collect(br)
+
+    def adopt(self, br: Branch, child: Branch) -> None:
+        """Commit: `br` takes over `child` (forked at br's end, br's only child): br grows by the
+        child's tokens. Costs the child's own blocks only; the child handle is closed."""
+        self._check(br), self._check(child)
+        if child.parent is not br or child.base != br.length or len(br.children) != 1:
+            raise ValueError("adopt needs the only child, forked at the parent's end")
+        if br.length % self.bs:               # child holds its own ref (or CoW copy) of it
+            self.pool.decref(br.blocks.pop())
+        br.blocks.extend(child.blocks)
+        br.length = child.length
+        br.children = child.children
+        for c in br.children:
+            c.parent = br
+        child.blocks, child.children = [], set()
+        child.alive = child.held = False
+        self.live_branches -= 1
+
+    # -- reading ------------------------------------------------------------------------------
+    def block_table(self, br: Branch) -> list[int]:
+        """Physical block of every logical block on the root-to-branch path."""
+        self._check_alive(br)
+        chain = []
+        b = br
+        while b is not None:
+            chain.append(b)
+            b = b.parent
+        table: list[int] = []
+        for b in reversed(chain):
+            del table[b.base // self.bs:]
+            table.extend(b.blocks)
+        del table[-(-br.length // self.bs):]
+        return table
+
+    def slots(self, br: Branch, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Flat slot ids `[end - start]` of the branch's tokens (for gathers and writes)."""
+        end = br.length if end is None else end
+        table = torch.tensor(self.block_table(br), dtype=torch.long)
+        pos = torch.arange(start, end)
+        return table[pos // self.bs] * self.bs + pos % self.bs
+
+    def _slots(self, br: Branch, start: int, end: int) -> torch.Tensor:
+        first = br.base // self.bs
+        pos = torch.arange(start, end)
+        own = torch.tensor(br.blocks, dtype=torch.long)
+        return own[pos // self.bs - first] * self.bs + pos % self.bs
+
+    # -- internals ----------------------------------------------------------------------------
+    def _check(self, br: Branch) -> None:
+        if not br.held:
+            raise BranchReleased("operation on a released branch")
+
+    def _check_alive(self, br: Branch) -> None:
+        if not br.alive:
+            raise BranchReleased("branch storage was already freed")
+
+    def _collect(self, b: Branch | None) -> None:
+        while b is not None and not b.held:
+            if b.children and len(b.children) > 1:
+                return
+            parent = b.parent
+            if not b.children:                       # free: its own blocks only
+                for blk in b.blocks:
+                    self.pool.decref(blk)
+                b.blocks = []
+                b.alive = False
+                if parent is not None:
+                    parent.children.discard(b)
+            else:                                    # splice the single child into b's place
+                (c,) = b.children
+                keep = c.base // self.bs - b.base // self.bs
+                for blk in b.blocks[keep:]:
+                    self.pool.decref(blk)
+                c.blocks = b.blocks[:keep] + c.blocks
+                c.base, c.parent = b.base, parent
+                if parent is not None:
+                    parent.children.discard(b)
+                    parent.children.add(c)
+                b.blocks, b.children, b.alive = [], set(), False
+            b = parent
+
+    # -- accounting ---------------------------------------------------------------------------
+    def stats(self) -> dict:
+        p = self.pool
+        return {"used_blocks": p.used_blocks, "shared_blocks": p.shared_blocks,
+                "bytes_in_use": p.bytes_in_use, "peak_bytes": p.peak_bytes,
+                "live_branches": self.live_branches}

@@ -1,0 +1,1 @@
+"""Verifiers: choose the accepted path of a token tree from the target's distributions."""
