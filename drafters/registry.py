@@ -1,0 +1,27 @@
+"""Turn a drafter spec like "ngram" or "model:ID,ngram" into drafter objects."""
+from __future__ import annotations
+
+from specfork.errors import SpecforkError
+
+# The default drafter mix per target (aliases); others fall back to n-gram lookup.
+DEFAULTS = {"smollm2-135m": "ngram"}
+
+
+def make_drafters(spec: str | None, target: str, model, drafts: int) -> list:
+    spec = spec or DEFAULTS.get(target.lower(), "ngram")
+    out = []
+    for item in [s.strip() for s in spec.split(",") if s.strip()]:
+        kind, _, arg = item.partition(":")
+        if kind == "ngram":
+            from specfork.drafters.ngram import NgramDrafter
+            out.append(NgramDrafter())
+        elif kind == "model":
+            if not arg:
+                raise SpecforkError("drafter 'model' needs a model: model:ID_OR_PATH")
+            from specfork.drafters.model_drafter import ModelDrafter
+            out.append(ModelDrafter.load(arg, target_model=model))
+        else:
+            raise SpecforkError(f"unknown drafter '{kind}' (use ngram or model:ID_OR_PATH)")
+    if not out:
+        raise SpecforkError(f"empty drafter spec '{spec}'")
+    return out
