@@ -1,0 +1,113 @@
+"""`specfork generate ...`: stream a completion, or print one JSON object with --json."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(prog="specfork", description="Speculative decoding on a KV tree.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate a completion")
+    g.add_argument("--target", default="smollm2-135m",
+                   help="alias, local directory or HF id in the local cache (default: the "
+                        "embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--drafts", type=int, default=0, help="draft paths per step (0: no drafting)")
+    g.add_argument("--drafter", default=None,
+                   help="drafter mix, comma separated: ngram, model:ID_OR_PATH "
+                        "(default: the target's default draft)")
+    g.add_argument("--draft-len", type=int, default=6, help="tokens per draft path")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="file holding the prompt ('-' for stdin)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--beams", type=int, default=0, help="beam search width (CoW fork search)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    g.add_argument("--device", default=None)
+    g.add_argument("--raw", action="store_true", help="no chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    return p.parse_args(argv)
+
+
+def _prompt(a) -> str:
+    if a.prompt is not None:
+        return a.prompt
+    if a.prompt_file == "-":
+        return sys.stdin.read()
+    with open(a.prompt_file, encoding="utf-8") as f:
+        return f.read()
+
+
+def generate(a) -> int:
+    import torch
+
+    from specfork.decoder import SpecDecoder, check_sampling
+    from specfork.errors import SpecforkError
+    if a.drafts < 0:
+        raise SpecforkError(f"--drafts must be >= 0, got {a.drafts}")
+    if a.draft_len <= 0:
+        raise SpecforkError(f"--draft-len must be positive, got {a.draft_len}")
+    if a.beams < 0:
+        raise SpecforkError(f"--beams must be >= 0, got {a.beams}")
+    check_sampling(a.max_new_tokens, a.temperature, a.top_p, a.top_k)
+    prompt = _prompt(a)
+    dtype = getattr(torch, a.dtype) if a.dtype else None
+    dec = SpecDecoder.from_pretrained(target=a.target, drafts=a.drafts, drafter=a.drafter,
+                                      draft_len=a.draft_len, dtype=dtype, device=a.device)
+    tok = dec.tokenizer
+    if a.beams:
+        from specfork.search import beam_search
+        res = beam_search(dec, prompt, num_beams=a.beams, max_new_tokens=a.max_new_tokens,
+                          raw=a.raw)
+    else:
+        shown = {"ids": [], "text": ""}
+
+        def stream(new):
+            shown["ids"] += new
+            text = tok.decode(shown["ids"], skip_special_tokens=True)
+            if not text.endswith("\ufffd"):            # wait for a whole UTF-8 character
+                sys.stdout.write(text[len(shown["text"]):])
+                sys.stdout.flush()
+                shown["text"] = text
+
+        res = dec.generate(prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                           top_p=a.top_p, top_k=a.top_k, seed=a.seed, raw=a.raw,
+                           on_tokens=None if a.json else stream)
+    if a.json:
+        print(json.dumps({"text": res.text, "token_ids": res.token_ids,
+                          "prompt_token_ids": res.prompt_token_ids, "stats": res.stats}))
+    elif a.beams:
+        print(res.text)
+    else:
+        sys.stdout.write("\n")
+        s = res.stats
+        print(f"[{s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, "
+              f"{s['target_forwards']} target forwards, tau {s['mean_accepted']:.2f}]",
+              file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")          # never reach for a hub at run time
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    a = _args(argv)
+    from specfork.errors import SpecforkError
+    try:
+        return generate(a)
+    except (SpecforkError, OSError, ValueError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"specfork: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Our forward over the KV tree against the Hugging Face model itself (the peer)."""
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config)
+
+from specfork.decoder import SpecDecoder
+from specfork.kv_tree import KVTree
+from specfork.model import Model, causal_mask
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def tiny_models():
+    yield "llama", LlamaConfig(**TINY)
+    yield "llama3.1-rope", LlamaConfig(**TINY, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    yield "qwen2", Qwen2Config(**TINY)                     # q/k/v biases
+    yield "mistral", MistralConfig(**TINY, sliding_window=None)
+
+
+def _hf(cfg):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+def _prefill_then_decode(model: Model, ids: torch.Tensor, split: int) -> torch.Tensor:
+    """Logits of every position: prefill `split` tokens, then decode one token at a time."""
+    pool = model.make_pool(num_blocks=64, block_size=16)
+    kv = KVTree(pool)
+    b = kv.new_branch()
+    slots = kv.append(b, split)
+    out = [model.forward(ids[:split], torch.arange(split), pool, slots[:0], slots,
+                         tree_mask=causal_mask(split))]
+    for i in range(split, len(ids)):
+        prefix = kv.slots(b)
+        s = kv.append(b, 1)
+        out.append(model.forward(ids[i:i + 1], torch.tensor([i]), pool, prefix, s))
+    kv.release(b)
+    assert pool.used_blocks == 0
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("name,cfg", list(tiny_models()), ids=lambda x: x if isinstance(x, str) else "")
+def test_tiny_logits_and_greedy_match_hf(name, cfg):
+    hf = _hf(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    ours = _prefill_then_decode(Model(hf), ids, split=21)     # prefix ends mid-block
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+    dec = SpecDecoder(Model(hf), tokenizer=None, eos_token_ids=[])
+    prompt = ids[:12].tolist()
+    hf_out = hf.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)[0, 12:].tolist()
+    res = dec.generate(prompt, max_new_tokens=48)
+    assert res.token_ids == hf_out
+    assert res.stats["kv_blocks_leaked"] == 0
+
+
+@pytest.mark.slow
+def test_embedded_logits_match_hf(smol, mt_prompts):
+    hf, tok, model = smol
+    text = mt_prompts[0]["text"]
+    ids = torch.tensor(tok.apply_chat_template([{"role": "user", "content": text}],
+                                               add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"])
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    ours = _prefill_then_decode(model, ids, split=len(ids) - 8)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_embedded_greedy_128_tokens_matches_hf_generate(smol, mt_prompts):
+    hf, tok, model = smol
+    dec = SpecDecoder(model, tok)
+    for p in mt_prompts[:3]:
+        res = dec.generate(p["text"], max_new_tokens=128)
+        ids = torch.tensor([res.prompt_token_ids])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=128,
+                          do_sample=False)[0, ids.shape[1]:].tolist()
+        assert res.token_ids == ref, p["id"]
+        assert res.stats["kv_blocks_leaked"] == 0
+        assert res.stats["target_forwards"] == len(res.token_ids)
