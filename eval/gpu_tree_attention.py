@@ -1,0 +1,155 @@
+"""The GPU check, one command (< 5 min on one GPU): Triton tree attention on CUDA
+  1. correctness against the torch path in fp32 over shapes, dtypes, pages, trees, splits;
+  2. timing on a Llama-3-8B layer (32 heads, 8 KV heads, head_dim 128, bf16, 16-token pages),
+     prefix {512, 2048, 8192} x tree {16, 64, 128}: the Triton kernel (pages read in place)
+     vs masked SDPA over an already gathered prefix, vs gather + SDPA (the torch path), and
+     a dense prefix-only flash SDPA as a floor;
+  3. a prefix-split sweep (L=8192, T=16), to check the split heuristic.
+Exits 1 if a correctness case fails (after writing the JSON), 2 without CUDA or Triton.
+
+    python eval/gpu_tree_attention.py --json $OUT/tree_attention_gpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if importlib.util.find_spec("specfork") is None:
+    # A checkout that is not pip-installed: map specfork.kernels -> kernels/ as pyproject does.
+    sys.path.insert(0, ROOT)
+    import kernels
+    import specfork
+    specfork.kernels = sys.modules["specfork.kernels"] = kernels
+
+from bench_tree_attention import layered_tree, make_layer   # noqa: E402  (eval/ is on sys.path)
+from specfork.kernels.tree_attention import (ancestor_mask, gather_prefix,  # noqa: E402
+                                             tree_attention, tree_attention_sdpa)
+
+DEVICE = "cuda"
+TOL = {torch.float32: 2e-3, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}   # vs fp32, |err|/(1+|ref|)
+
+
+def torch_reference(c: dict) -> torch.Tensor:
+    """The torch path on CUDA (gather + masked SDPA), in fp32."""
+    f = lambda t: t.float()
+    kp = gather_prefix(c["k_cache"], c["block_table"], c["prefix_len"])
+    vp = gather_prefix(c["v_cache"], c["block_table"], c["prefix_len"])
+    return tree_attention_sdpa(f(c["q"]), f(kp), f(vp), f(c["k_tree"]), f(c["v_tree"]), c["tree_mask"])
+
+
+def correctness(tta) -> list[dict]:
+    rows = []
+    cases = [  # (T, prefix_len, heads, kv_heads, head_dim, block_size, dtype, num_splits)
+        (1, 0, 32, 8, 128, 16, torch.bfloat16, None),
+        (1, 4093, 32, 8, 128, 16, torch.bfloat16, None),
+        (13, 0, 9, 3, 64, 16, torch.float32, None),
+        (13, 37, 9, 3, 64, 32, torch.float32, None),
+        (24, 1000, 12, 3, 64, 16, torch.float16, 3),
+        (64, 2049, 8, 8, 128, 32, torch.bfloat16, None),
+        (128, 8189, 32, 8, 128, 16, torch.bfloat16, None),
+        (128, 8189, 32, 8, 128, 16, torch.bfloat16, 1),
+        (128, 300, 16, 4, 128, 32, torch.float16, 7),
+        (77, 511, 32, 8, 64, 16, torch.float32, 5),
+    ]
+    for T, L, H, KVH, D, bs, dtype, splits in cases:
+        parents = layered_tree(T, seed=T + L)
+        c = make_layer(T, L, H, KVH, D, bs, dtype, device=DEVICE, seed=L)
+        c["tree_mask"] = ancestor_mask(parents, device=DEVICE)
+        ref = torch_reference(c)
+        out = tta.tree_attention_triton(**c, num_splits=splits)
+        err = ((out.float() - ref).abs() / (1 + ref.abs())).max().item()
+        rows.append(dict(tree_size=T, prefix_len=L, heads=H, kv_heads=KVH, head_dim=D,
+                         block_size=bs, dtype=str(dtype).removeprefix("torch."), num_splits=splits,
+                         err=err, ok=bool(err <= TOL[dtype] and out.dtype == dtype)))
+        print(f"correct T={T:>3} L={L:>4} H={H}/{KVH} D={D} bs={bs} {rows[-1]['dtype']:>8} "
+              f"splits={splits}: err {err:.2e} {'ok' if rows[-1]['ok'] else 'FAIL'}")
+    return rows
+
+
+def dispatches_to_triton(tta) -> bool:
+    """tree_attention() on CUDA tensors must go through tree_attention_triton."""
+    calls, real = [], tta.tree_attention_triton
+    tta.tree_attention_triton = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        c = make_layer(4, 40, 32, 8, 128, 16, torch.bfloat16, device=DEVICE)
+        tree_attention(**c, tree_mask=ancestor_mask([-1, 0, 0, 1], device=DEVICE))
+    finally:
+        tta.tree_attention_triton = real
+    return bool(calls)
+
+
+def timing(tta, bench) -> tuple[list[dict], list[dict]]:
+    H, KVH, D, bs, dtype = 32, 8, 128, 16, torch.bfloat16
+    rows, sweep = [], []
+    for L in (512, 2048, 8192):
+        for T in (16, 64, 128):
+            c = make_layer(T, L, H, KVH, D, bs, dtype, device=DEVICE)
+            c["tree_mask"] = mask = ancestor_mask(layered_tree(T), device=DEVICE)
+            kp = gather_prefix(c["k_cache"], c["block_table"], L)
+            vp = gather_prefix(c["v_cache"], c["block_table"], L)
+            args = (c["q"], kp, vp, c["k_tree"], c["v_tree"], mask)
+            qd, kd, vd = c["q"].transpose(0, 1)[None], kp.transpose(0, 1)[None], vp.transpose(0, 1)[None]
+            err = (tree_attention(**c).float() - torch_reference(c)).abs().max().item()
+            r = dict(prefix_len=L, tree_size=T, max_abs_err=err,
+                     triton_ms=bench(lambda: tree_attention(**c)),
+                     sdpa_gathered_ms=bench(lambda: tree_attention_sdpa(*args)),
+                     gather_sdpa_ms=bench(lambda: tree_attention_sdpa(
+                         c["q"], gather_prefix(c["k_cache"], c["block_table"], L),
+                         gather_prefix(c["v_cache"], c["block_table"], L), *args[3:])),
+                     dense_prefix_flash_ms=bench(lambda: F.scaled_dot_product_attention(
+                         qd, kd, vd, enable_gqa=True)))
+            kv_bytes = 2 * L * KVH * D * 2
+            r["triton_prefix_GBps"] = kv_bytes / r["triton_ms"] / 1e6
+            r["speedup_vs_sdpa_gathered"] = r["sdpa_gathered_ms"] / r["triton_ms"]
+            rows.append(r)
+            print(f"time L={L:>4} T={T:>3}: triton {r['triton_ms']:.3f} ms, sdpa(gathered) "
+                  f"{r['sdpa_gathered_ms']:.3f}, gather+sdpa {r['gather_sdpa_ms']:.3f}, dense flash "
+                  f"{r['dense_prefix_flash_ms']:.3f}; {r['triton_prefix_GBps']:.0f} GB/s, err {err:.1e}")
+    c = make_layer(16, 8192, H, KVH, D, bs, dtype, device=DEVICE)
+    c["tree_mask"] = ancestor_mask(layered_tree(16), device=DEVICE)
+    for splits in (1, 2, 4, 8, 16, 32, 64, None):
+        ms = bench(lambda: tta.tree_attention_triton(**c, num_splits=splits))
+        sweep.append(dict(prefix_len=8192, tree_size=16, num_splits=splits or "auto", triton_ms=ms))
+        print(f"splits {splits or 'auto':>4}: {ms:.3f} ms")
+    return rows, sweep
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", required=True, help="write the results here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_tree_attention: no CUDA device (torch.cuda.is_available() is False); "
+              "this script only runs on a GPU machine", file=sys.stderr)
+        sys.exit(2)
+    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1":
+        print("gpu_tree_attention: needs triton installed and TRITON_INTERPRET unset", file=sys.stderr)
+        sys.exit(2)
+    import triton
+    import triton.testing
+
+    import specfork.kernels.triton_tree_attention as tta
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                  triton=triton.__version__, layer="Llama-3-8B: 32 heads, 8 KV heads, "
+                  "head_dim 128, bf16, 16-token pages", tree="layered (eval/bench_tree_attention.py)")
+    result["correctness"] = correctness(tta)
+    result["dispatches_to_triton"] = dispatches_to_triton(tta)
+    result["timing"], result["split_sweep"] = timing(tta, bench)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    ok = all(r["ok"] for r in result["correctness"]) and result["dispatches_to_triton"]
+    print("all correct" if ok else "CORRECTNESS FAILURES", "->", args.json)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
