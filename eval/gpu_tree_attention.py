@@ -20,10 +20,16 @@ import sys
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if importlib.util.find_spec("specfork") is None:
+def _installed() -> bool:
+    try:
+        return importlib.util.find_spec("specfork.kernels") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+if not _installed():
     # A checkout that is not pip-installed: map specfork.kernels -> kernels/ as pyproject does.
-    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import kernels
     import specfork
     specfork.kernels = sys.modules["specfork.kernels"] = kernels
