@@ -134,10 +134,12 @@ class Model:
                 a = tree_attention(q, pool.k[i], pool.v[i], block_table, prefix_slots.numel(),
                                    k, v, tree_mask, self.scale)
             elif prefix_mask is None:
-                a = tree_attention_torch(q, kf[prefix_slots], vf[prefix_slots], k, v,
+                a = tree_attention_torch(q, kf.index_select(0, prefix_slots),
+                                         vf.index_select(0, prefix_slots), k, v,
                                          tree_mask, self.scale)
             else:
-                a = _masked_attention(q, kf[prefix_slots], vf[prefix_slots], k, v,
+                a = _masked_attention(q, kf.index_select(0, prefix_slots),
+                                      vf.index_select(0, prefix_slots), k, v,
                                       prefix_mask, tree_mask, self.scale)
             if write_slots is not None:
                 src = slice(None) if write_src is None else write_src

@@ -1,0 +1,164 @@
+"""Multi-draft speculative decoding end to end: exactness against HF and against the target's
+own distribution, KV forks committed/freed without leaks."""
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from specfork.decoder import SpecDecoder
+from specfork.drafters.base import DraftPath
+from specfork.drafters.model_drafter import ModelDrafter
+from specfork.drafters.ngram import NgramDrafter
+from specfork.kv_tree import KVTree
+from specfork.model import Model, causal_mask
+from specfork.token_tree import TokenTree
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson χ² goodness of fit; cells of tiny expectation are pooled into one."""
+    n = counts.sum()
+    exp = probs * n
+    big = exp >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]]).double()
+    ex = torch.cat([exp[big], exp[~big].sum()[None]]).double()
+    keep = ex > 0
+    stat = ((obs[keep] - ex[keep]) ** 2 / ex[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+
+
+# -- tiny random target: exact distribution over the first two tokens ---------------------------
+
+V = 8
+
+
+def _tiny(seed: int, std: float):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      initializer_range=std)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+def _two_token_law(hf, prompt, temperature, top_k=None):
+    from specfork.sampling import probs_from_logits
+    with torch.no_grad():
+        p1 = probs_from_logits(hf(torch.tensor([prompt])).logits[0, -1], temperature, top_k)
+        batch = torch.tensor([prompt + [x] for x in range(V)])
+        p2 = probs_from_logits(hf(batch).logits[:, -1], temperature, top_k)
+    return (p1[:, None] * p2).flatten()                             # joint [V*V]
+
+
+@pytest.mark.parametrize("mix", ["model3", "model+ngram", "ngram"])
+def test_sampled_output_has_target_distribution(mix):
+    target = _tiny(0, 0.8)
+    draft = _tiny(1, 0.8)                       # a different model: q != p
+    prompt = [1, 2, 3, 1, 2]
+    law = _two_token_law(target, prompt, temperature=0.9)
+    drafters = {"model3": [ModelDrafter(Model(draft), "draft")],
+                "model+ngram": [ModelDrafter(Model(draft), "draft"), NgramDrafter()],
+                "ngram": [NgramDrafter(min_ngram=1)]}[mix]
+    dec = SpecDecoder(Model(target), None, drafters, num_paths=3, draft_len=2,
+                      eos_token_ids=[], max_kv_tokens=64)
+    counts = torch.zeros(V * V)
+    gen_steps = 0
+    for s in range(1200):
+        r = dec.generate(prompt, max_new_tokens=2, temperature=0.9, seed=s)
+        counts[r.token_ids[0] * V + r.token_ids[1]] += 1
+        gen_steps += r.stats["spec_steps"]
+        assert r.stats["kv_blocks_leaked"] == 0
+    assert gen_steps == 1200                   # the second token always came from a verify step
+    assert chi2_pvalue(counts, law) > 0.01
+
+
+# -- the embedded model ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(smol, mt_prompts, he_prompts):
+    """HF greedy generate (the peer) on two MT-bench and two HumanEval prompts, 64 tokens."""
+    hf, tok, model = smol
+    out = []
+    dec = SpecDecoder(model, tok)
+    for p in mt_prompts[:2] + he_prompts[:2]:
+        ids = dec.encode(p["text"], raw=p["kind"] == "code")
+        x = torch.tensor([ids])
+        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64,
+                          do_sample=False)[0, len(ids):].tolist()
+        out.append((ids, ref))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mix,paths", [("ngram", 3), ("self", 1), ("self+ngram", 3)])
+def test_greedy_identical_to_hf_generate(smol, hf_greedy, mix, paths):
+    hf, tok, model = smol
+    drafters = {"ngram": [NgramDrafter()], "self": [ModelDrafter(model, "self")],
+                "self+ngram": [ModelDrafter(model, "self"), NgramDrafter()]}[mix]
+    dec = SpecDecoder(model, tok, drafters, num_paths=paths, draft_len=4)
+    for ids, ref in hf_greedy:
+        r = dec.generate(ids, max_new_tokens=64)
+        assert r.token_ids == ref
+        assert r.stats["kv_blocks_leaked"] == 0
+        assert r.stats["target_forwards"] < len(r.token_ids) or mix == "ngram"
+    for d in drafters:
+        if isinstance(d, ModelDrafter):
+            assert d.pool.used_blocks == 0      # the drafter's own KV tree is freed too
+
+
+@pytest.mark.slow
+def test_verify_forward_matches_per_path_decoding(smol, mt_prompts):
+    """One tree forward gives every node the logits of decoding its path token by token."""
+    hf, tok, model = smol
+    ids = tok(mt_prompts[3]["text"])["input_ids"][:37]           # prefix ends mid-block
+    pool = model.make_pool(num_blocks=64)
+    kv = KVTree(pool)
+    B = kv.new_branch()
+    s = kv.append(B, len(ids))
+    model.forward(torch.tensor(ids), torch.arange(len(ids)), pool, s[:0], s,
+                  tree_mask=causal_mask(len(ids)))
+    g = torch.Generator().manual_seed(0)
+    paths = [DraftPath(torch.randint(0, 49152, (k,), generator=g).tolist())
+             for k in (5, 3, 4)]
+    paths.append(DraftPath(paths[0].tokens[:2] + [7, 8]))          # shares a prefix
+    tree = TokenTree.build(ids[-1], paths, budget=64)
+    n = B.length
+    logits = model.forward(tree.tokens, tree.positions(n), pool, kv.slots(B),
+                           tree_mask=tree.ancestor_mask())
+    for leaf in tree.leaf_paths():
+        f = kv.fork(B)
+        for node in leaf:
+            prefix = kv.slots(f)
+            slot = kv.append(f, 1)
+            ref = model.forward(tree.tokens[node:node + 1], torch.tensor([f.length - 1]), pool,
+                                prefix, slot)
+            torch.testing.assert_close(logits[node], ref[0], atol=1e-4, rtol=0)
+        kv.release(f)
+    kv.release(B)
+    assert pool.used_blocks == 0
+
+
+@pytest.mark.slow
+def test_embedded_sampling_two_tokens_lossless(smol):
+    """First two sampled tokens with n-gram drafts (one-hot q: every rejection edits p)."""
+    hf, tok, model = smol
+    prompt = tok("one two three one two three one two")["input_ids"]
+    from specfork.sampling import probs_from_logits
+    with torch.no_grad():
+        p1 = probs_from_logits(hf(torch.tensor([prompt])).logits[0, -1], 1.0, 3)
+        top = p1.nonzero().flatten().tolist()
+        batch = torch.tensor([prompt + [x] for x in top])
+        p2 = probs_from_logits(hf(batch).logits[:, -1], 1.0, 3)
+    dec = SpecDecoder(model, tok, [NgramDrafter()], num_paths=2, draft_len=3, max_kv_tokens=256)
+    cells = {}
+    for i, x in enumerate(top):
+        for y in p2[i].nonzero().flatten().tolist():
+            cells[(x, y)] = float(p1[x] * p2[i, y])
+    keys = list(cells)
+    counts = torch.zeros(len(keys))
+    for s in range(400):
+        r = dec.generate(prompt, max_new_tokens=2, temperature=1.0, top_k=3, seed=s)
+        counts[keys.index(tuple(r.token_ids))] += 1
+    assert chi2_pvalue(counts, torch.tensor([cells[k] for k in keys])) > 0.01
+    assert math.isclose(sum(cells.values()), 1.0, rel_tol=1e-4)
