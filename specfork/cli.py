@@ -7,9 +7,16 @@ import os
 import sys
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad flags get one line and exit 2, like every other bad input."""
+
+    def error(self, message):
+        self.exit(2, f"specfork: error: {message} (see --help)\n")
+
+
 def _args(argv):
-    p = argparse.ArgumentParser(prog="specfork", description="Speculative decoding on a KV tree.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = _Parser(prog="specfork", description="Speculative decoding on a KV tree.")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="generate a completion")
     g.add_argument("--target", default="smollm2-135m",
                    help="alias, local directory or HF id in the local cache (default: the "

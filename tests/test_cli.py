@@ -1,0 +1,74 @@
+"""`specfork generate` as a user runs it: JSON schema, streaming, one-line errors."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def run(*args, timeout=120, stdin=None):
+    t = time.time()
+    p = subprocess.run([sys.executable, "-m", "specfork.cli", *args], capture_output=True,
+                       text=True, timeout=timeout, env=ENV, stdin=stdin or subprocess.DEVNULL)
+    return p, time.time() - t
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--target", "no-such-model", "--prompt", "hi"], "unknown model 'no-such-model'"),
+    (["--target", "meta-llama/Meta-Llama-3-8B-Instruct", "--prompt", "hi"],
+     "huggingface-cli download meta-llama/Meta-Llama-3-8B-Instruct"),
+    (["--target", "llama3-8b", "--prompt", "hi"], "meta-llama/Meta-Llama-3-8B-Instruct"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens must be a positive"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+    (["--prompt", "hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--prompt", "hi", "--drafts", "-2"], "--drafts must be >= 0"),
+    (["--prompt-file", "/no/such/file"], "No such file"),
+    (["--prompt", "hi", "--max-new-tokens", "ten"], "invalid int value"),
+    ([], "one of the arguments --prompt --prompt-file is required"),
+    (["--prompt", "hi", "--drafts", "2", "--drafter", "bogus"], "unknown drafter 'bogus'"),
+])
+def test_bad_input_one_line_error(args, needle):
+    p, dt = run("generate", *args)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specfork: error:"), p.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in p.stderr
+    assert dt < 60
+
+
+@pytest.mark.slow
+def test_prompt_longer_than_context(tmp_path):
+    f = tmp_path / "long.txt"
+    f.write_text("hello " * 9000)
+    p, _ = run("generate", "--prompt-file", str(f), "--raw")
+    assert p.returncode == 2 and "exceeds the context" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_json_output_schema():
+    p, _ = run("generate", "--prompt", "What is the capital of France?", "--max-new-tokens", "12",
+               "--json", "--drafts", "2")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)                     # exactly one JSON object on stdout
+    assert set(out) == {"text", "token_ids", "prompt_token_ids", "stats"}
+    s = out["stats"]
+    for k in ("new_tokens", "target_forwards", "mean_accepted", "tokens_per_s", "wall_s",
+              "kv_peak_bytes", "kv_blocks_leaked"):
+        assert k in s
+    assert s["new_tokens"] == len(out["token_ids"]) <= 12
+    assert s["kv_blocks_leaked"] == 0 and s["kv_peak_bytes"] > 0
+    assert "Paris" in out["text"]
+
+
+@pytest.mark.slow
+def test_streams_text(smol):
+    _, tok, _ = smol
+    p, _ = run("generate", "--prompt", "Count from one to five.", "--max-new-tokens", "16")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() and "tok/s" in p.stderr
