@@ -122,29 +122,37 @@ class KVTree:
         self.pool = pool
         self.bs = pool.block_size
         self.live_branches = 0
+        self._roots: set[Branch] = set()    # trees in this pool, for whole-tree accounting
 
     # -- structure ----------------------------------------------------------------------------
     def new_branch(self) -> Branch:
         self.live_branches += 1
-        return Branch(None, 0, [])
+        br = Branch(None, 0, [])
+        self._roots.add(br)
+        return br
 
     def fork(self, br: Branch, at: int | None = None) -> Branch:
-        """A child that sees `br`'s first `at` tokens (default all). O(1): no block is touched
-        except one incref of a shared partial block."""
-        self._check(br)
+        """A child that sees `br`'s first `at` tokens (default all). No block is touched except
+        one incref of a shared partial block, so forking at `br`'s own tokens (the default) costs
+        the same at any depth and prefix length. Below them the child hangs off the ancestor
+        that owns token `at`: one step up per tree level, never a per-block loop."""
+        if not br.held:
+            raise BranchReleased("operation on a released branch")
+        owner = br
         if at is None:
             at = br.length
         elif not 0 <= at <= br.length:
             raise ValueError(f"fork point {at} outside branch of length {br.length}")
-        owner = br
-        while at < owner.base:               # only when forking below br's own tokens
-            owner = owner.parent
-        blocks = []
-        if at % self.bs:
-            blk = owner.blocks[at // self.bs - owner.base // self.bs]
-            self.pool.incref(blk)
-            blocks.append(blk)
-        child = Branch(owner, at, blocks)
+        else:
+            while at < owner.base:
+                owner = owner.parent
+        bs = self.bs
+        if at % bs:
+            blk = owner.blocks[at // bs - owner.base // bs]
+            self.pool.refcount[blk] += 1
+            child = Branch(owner, at, [blk])
+        else:
+            child = Branch(owner, at, [])
         owner.children.add(child)
         self.live_branches += 1
         return child
@@ -185,11 +193,7 @@ class KVTree:
         for c in br.children:
             if c.base > n:
                 raise ValueError(f"truncate to {n} below a live child's fork point {c.base}")
-        keep = -(-n // self.bs) - br.base // self.bs   # a shared partial first block stays
-        for blk in br.blocks[keep:]:
-            self.pool.decref(blk)
-        del br.blocks[keep:]
-        br.length = n
+        self._cut(br, n)
 
     def release(self, br: Branch) -> None:
         """Close the caller's handle. Storage goes once no descendant needs it; a handle-less
@@ -197,6 +201,8 @@ class KVTree:
         self._check(br)
         br.held = False
         self.live_branches -= 1
+        if len(br.children) > 1:             # nobody can read past the last fork point now
+            self._cut(br, max(c.base for c in br.children))
         self._collect(br)
 
     def adopt(self, br: Branch, child: Branch) -> None:
@@ -254,9 +260,16 @@ class KVTree:
         if not br.alive:
             raise BranchReleased("branch storage was already freed")
 
+    def _cut(self, b: Branch, n: int) -> None:
+        keep = -(-n // self.bs) - b.base // self.bs   # a shared partial first block stays
+        for blk in b.blocks[keep:]:
+            self.pool.decref(blk)
+        del b.blocks[keep:]
+        b.length = n
+
     def _collect(self, b: Branch | None) -> None:
         while b is not None and not b.held:
-            if b.children and len(b.children) > 1:
+            if len(b.children) > 1:
                 return
             parent = b.parent
             if not b.children:                       # free: its own blocks only
@@ -266,6 +279,8 @@ class KVTree:
                 b.alive = False
                 if parent is not None:
                     parent.children.discard(b)
+                else:
+                    self._roots.discard(b)
             else:                                    # splice the single child into b's place
                 (c,) = b.children
                 keep = c.base // self.bs - b.base // self.bs
@@ -276,12 +291,29 @@ class KVTree:
                 if parent is not None:
                     parent.children.discard(b)
                     parent.children.add(c)
+                else:
+                    self._roots.discard(b)
+                    self._roots.add(c)
                 b.blocks, b.children, b.alive = [], set(), False
             b = parent
 
     # -- accounting ---------------------------------------------------------------------------
     def stats(self) -> dict:
-        p = self.pool
-        return {"used_blocks": p.used_blocks, "shared_blocks": p.shared_blocks,
+        """Pool usage, and how many blocks one live handle reads (unique) or several do (shared:
+        a prefix block read through parent links counts, not just refcount > 1). Walks every
+        tree, so it is for accounting, not for the decode loop. Leak check: once every branch
+        is released, used_blocks is 0."""
+        p, bs = self.pool, self.bs
+        readers = [0] * p.num_blocks
+        stack = [(r, []) for r in self._roots]
+        while stack:
+            b, table = stack.pop()
+            table = table[:b.base // bs] + b.blocks
+            if b.held:
+                for blk in table:
+                    readers[blk] += 1
+            stack.extend((c, table) for c in b.children)
+        return {"used_blocks": p.used_blocks, "unique_blocks": readers.count(1),
+                "shared_blocks": p.num_blocks - readers.count(0) - readers.count(1),
                 "bytes_in_use": p.bytes_in_use, "peak_bytes": p.peak_bytes,
                 "live_branches": self.live_branches}
