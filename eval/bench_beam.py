@@ -1,0 +1,152 @@
+"""Beam search on the KV tree vs sequential greedy vs naive beams vs HF: peak KV bytes, speed,
+and HF parity on MT-bench prompts. Everything reported is measured from the pool or a clock.
+
+    python eval/bench_beam.py --prompts 6 --widths 2,4 --out results/beam_memory.json
+
+Memory: `pool.peak_bytes` over the whole request (prefill included), greedy from
+`SpecDecoder.generate`. Also measured at block_size=1 (greedy and beams alike): there the peak is
+the number of distinct tokens the live beams hold, the floor for any exact beam search.
+Speed: greedy and beam runs interleaved, median over repetitions, wall clock and process CPU
+time (the CPU is shared; CPU time shows the work, wall time what a user waits).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def timed(fn):
+    w, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - w, time.process_time() - c
+
+
+def hf_beam(hf, ids, W, n):
+    with torch.no_grad():
+        o = hf.generate(torch.tensor([ids]), num_beams=W, do_sample=False, max_new_tokens=n,
+                        return_dict_in_generate=True, output_scores=True)
+    return o.sequences[0, len(ids):].tolist(), float(o.sequences_scores[0])
+
+
+def memory_and_parity(dec, dec1, hf, prompts, widths, n, parity):
+    from specfork.search import beam_search
+    rows = []
+    for p in prompts:
+        ids = dec.encode(p["text"])
+        g = dec.generate(ids, max_new_tokens=n).stats["kv_peak_bytes"]
+        g1 = dec1.generate(ids, max_new_tokens=n).stats["kv_peak_bytes"]
+        for W in widths:
+            fork = beam_search(dec, ids, num_beams=W, max_new_tokens=n)
+            naive = beam_search(dec, ids, num_beams=W, max_new_tokens=n, naive=True)
+            tok1 = beam_search(dec1, ids, num_beams=W, max_new_tokens=n)
+            row = {"prompt": p["id"], "prompt_tokens": len(ids), "num_beams": W,
+                   "new_tokens": fork.stats["new_tokens"],
+                   "greedy_peak_bytes": g, "fork_peak_bytes": fork.stats["kv_peak_bytes"],
+                   "naive_peak_bytes": naive.stats["kv_peak_bytes"],
+                   "fork_ratio": fork.stats["kv_peak_bytes"] / g,
+                   "naive_ratio": naive.stats["kv_peak_bytes"] / g,
+                   "block1_greedy_tokens": g1 // dec1.pool.block_bytes,
+                   "block1_beam_tokens": tok1.stats["kv_peak_bytes"] // dec1.pool.block_bytes,
+                   "block1_ratio": tok1.stats["kv_peak_bytes"] / g1,
+                   "forks": fork.stats["forks"],
+                   "leaked_blocks": fork.stats["kv_blocks_leaked"] + naive.stats["kv_blocks_leaked"],
+                   "naive_same_tokens": naive.token_ids == fork.token_ids,
+                   "block1_same_tokens": tok1.token_ids == fork.token_ids}
+            if parity:
+                h, hs = hf_beam(hf, ids, W, n)
+                row.update(hf_equal=h == fork.token_ids, score=fork.stats["score"], hf_score=hs)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def speed(dec, hf, prompts, W, n, reps, with_hf):
+    from specfork.search import beam_search
+    out = []
+    for p in prompts:
+        ids = dec.encode(p["text"])
+        gw, gc, bw, bc, hw, hbw = [], [], [], [], [], []
+        for _ in range(reps):
+            g, w, c = timed(lambda: dec.generate(ids, max_new_tokens=n))
+            gw.append(len(g.token_ids) / w), gc.append(len(g.token_ids) / c)
+            b, w, c = timed(lambda: beam_search(dec, ids, num_beams=W, max_new_tokens=n))
+            bw.append(len(b.token_ids) / w), bc.append(len(b.token_ids) / c)
+            if with_hf:
+                with torch.no_grad():
+                    _, w, _ = timed(lambda: hf.generate(torch.tensor([ids]), do_sample=False,
+                                                        max_new_tokens=n, min_new_tokens=n))
+                    hw.append(n / w)
+                    o, w, _ = timed(lambda: hf.generate(torch.tensor([ids]), num_beams=W,
+                                                        do_sample=False, max_new_tokens=n))
+                    hbw.append((o.shape[1] - len(ids)) / w)
+        med = statistics.median
+        row = {"prompt": p["id"], "num_beams": W, "reps": reps,
+               "greedy_tok_s": med(gw), "beam_tok_s": med(bw), "wall_ratio": med(bw) / med(gw),
+               "greedy_tok_cpu_s": med(gc), "beam_tok_cpu_s": med(bc),
+               "cpu_ratio": med(bc) / med(gc)}
+        if with_hf:
+            row.update(hf_greedy_tok_s=med(hw), hf_beam_tok_s=med(hbw),
+                       hf_ratio=med(hbw) / med(hw))
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=6, help="first N MT-bench prompts")
+    ap.add_argument("--widths", default="2,4")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--speed-prompts", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-hf", action="store_true", help="skip HF parity and HF speed")
+    ap.add_argument("--out", default="results/beam_memory.json")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    from specfork.decoder import SpecDecoder
+    from specfork.model import Model
+    from specfork.models import load_hf
+    from specfork.prompts import load_prompts
+    hf, tok = load_hf("smollm2-135m", dtype=torch.float32, device="cpu")
+    model = Model(hf)
+    dec, dec1 = SpecDecoder(model, tok), SpecDecoder(model, tok, block_size=1)
+    prompts = load_prompts("mtbench", a.prompts)
+    widths = [int(w) for w in a.widths.split(",")]
+    mem = memory_and_parity(dec, dec1, hf, prompts, widths, a.max_new_tokens, not a.no_hf)
+    spd = speed(dec, hf, prompts[:a.speed_prompts], max(widths), a.max_new_tokens, a.reps,
+                not a.no_hf)
+    med = statistics.median
+    summary = {f"W{W}": {
+        "fork_ratio_median": med(r["fork_ratio"] for r in mem if r["num_beams"] == W),
+        "fork_ratio_max": max(r["fork_ratio"] for r in mem if r["num_beams"] == W),
+        "naive_ratio_median": med(r["naive_ratio"] for r in mem if r["num_beams"] == W),
+        "block1_ratio_median": med(r["block1_ratio"] for r in mem if r["num_beams"] == W),
+        "hf_equal": sum(r.get("hf_equal", False) for r in mem if r["num_beams"] == W),
+        "prompts": sum(1 for r in mem if r["num_beams"] == W)} for W in widths}
+    summary["speed_wall_ratio_median"] = med(r["wall_ratio"] for r in spd)
+    summary["speed_cpu_ratio_median"] = med(r["cpu_ratio"] for r in spd)
+    if not a.no_hf:
+        summary["hf_speed_ratio_median"] = med(r["hf_ratio"] for r in spd)
+    res = {"model": "smollm2-135m (fp32)", "block_size": dec.pool.block_size,
+           "max_new_tokens": a.max_new_tokens, "threads": a.threads,
+           "machine": f"{platform.machine()} {os.cpu_count()} cpus, load avg "
+                      f"{os.getloadavg()[0]:.1f} at the end (shared)",
+           "summary": summary, "memory": mem, "speed": spd}
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

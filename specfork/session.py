@@ -1,0 +1,213 @@
+"""Branching sessions for agents: a context is a KV-tree branch; fork() is O(1) and shares the
+prefix blocks, generate() runs on any branch, release() frees what no other branch reads.
+
+`forward_branches` is the batched primitive shared with beam search and MCTS: several branches
+take new tokens in one forward, the union of their prefixes gathered once (a block that several
+branches read is gathered once, not once per branch).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specfork.decoder import SpecDecoder
+from specfork.errors import SpecforkError
+from specfork.kv_tree import Branch, KVTree
+from specfork.model import Model, causal_mask
+from specfork.sampling import probs_from_logits, sample
+
+
+def gather_prefix(kv: KVTree, branches: list[Branch]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unique slots `[L]` of all `branches` and `[B, L]` which of them branch b reads."""
+    per = [kv.slots(b) for b in branches]
+    rows = torch.repeat_interleave(torch.arange(len(per)), torch.tensor([p.numel() for p in per]))
+    uniq, inv = torch.unique(torch.cat(per), return_inverse=True)
+    mask = torch.zeros(len(per), uniq.numel(), dtype=torch.bool)
+    mask[rows, inv] = True
+    return uniq, mask
+
+
+def forward_branches(model: Model, kv: KVTree, branches: list[Branch],
+                     feeds: list[list[int]]) -> torch.Tensor:
+    """Append `feeds[i]` (>= 1 token) to `branches[i]`, all in one forward; returns the logits of
+    each branch's last fed token `[B, V]`. One branch takes exactly SpecDecoder's path (full
+    prefix, no prefix mask), so a lone branch decodes bit-for-bit as `SpecDecoder.generate`."""
+    dev = model.device
+    lens = [len(f) for f in feeds]
+    if not branches or min(lens) < 1:
+        raise ValueError("forward_branches needs at least one token per branch")
+    positions = torch.cat([torch.arange(b.length, b.length + n) for b, n in zip(branches, lens)])
+    tokens = torch.tensor([t for f in feeds for t in f])
+    T = tokens.numel()
+    last = torch.tensor(lens).cumsum(0) - 1
+    if len(branches) == 1:
+        prefix, pmask = kv.slots(branches[0]), None
+    else:
+        prefix, pmask = gather_prefix(kv, branches)
+        if T != len(branches):
+            pmask = pmask.repeat_interleave(torch.tensor(lens), dim=0)
+        pmask = pmask.to(dev)
+    write, start = [], [b.length for b in branches]
+    try:
+        for b, n in zip(branches, lens):
+            write.append(kv.append(b, n))
+    except Exception:                           # all or nothing: undo the appends that worked
+        for b, n0 in zip(branches, start):
+            if b.length > n0:
+                kv.truncate(b, n0)
+        raise
+    write = torch.cat(write)
+    if T == 1 or T == len(branches):
+        tree = None                              # each token sees itself (T=1: itself only)
+    elif len(branches) == 1:
+        tree = causal_mask(T, dev)
+    else:                                        # block-diagonal causal: own feed only
+        seg = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        tree = ((seg[:, None] == seg[None, :]) & causal_mask(T)).to(dev)
+    idx = slice(T - 1, T) if len(branches) == 1 else last.to(dev)
+    return model.forward(tokens.to(dev), positions.to(dev), kv.pool, prefix.to(dev),
+                         write.to(dev), tree_mask=tree, prefix_mask=pmask, logits_idx=idx)
+
+
+def copy_branch(kv: KVTree, src: Branch) -> Branch:
+    """A root branch holding a full copy of `src`'s K/V: the fork of a cache without sharing."""
+    pool = kv.pool
+    dst = kv.new_branch()
+    try:
+        to = kv.append(dst, src.length).to(pool.k.device)
+    except Exception:
+        kv.release(dst)
+        raise
+    frm = kv.slots(src).to(pool.k.device)
+    shape = (pool.num_layers, -1, pool.kv_heads, pool.head_dim)
+    for t in (pool.k, pool.v):
+        flat = t.view(shape)
+        flat[:, to] = flat[:, frm]
+    return dst
+
+
+@dataclass
+class Handle:
+    """One context: `tokens` is everything in it; the last `pending` of them are not yet in the
+    branch's K/V (they go in with the next forward); `logits` predict the token after `tokens`."""
+    branch: Branch
+    tokens: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
+    logits: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class Session:
+    """Contexts that fork, grow and die independently over one KV tree.
+
+    `full_copy=True` turns every fork into a whole-cache copy (the design without a KV tree),
+    for measuring what sharing saves; everything else is identical.
+    """
+
+    def __init__(self, model: Model, tokenizer=None, kv: KVTree | None = None,
+                 max_kv_tokens: int = 8192, block_size: int = 16,
+                 eos_token_ids: list[int] | None = None, full_copy: bool = False):
+        self.model, self.tokenizer = model, tokenizer
+        self.kv = kv or KVTree(model.make_pool(num_blocks=-(-max_kv_tokens // block_size),
+                                               block_size=block_size))
+        self.pool = self.kv.pool
+        eos = model.hf.generation_config.eos_token_id if eos_token_ids is None else eos_token_ids
+        self.eos = set(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+        self.full_copy = full_copy
+        self.forks = 0
+        self.fork_ns: list[int] = []            # wall time of every fork, for latency stats
+        self.forwards = 0
+
+    @classmethod
+    def from_decoder(cls, dec, **kw) -> "Session":
+        """Share a SpecDecoder's model, tokenizer, KV tree and EOS set."""
+        return cls(dec.model, dec.tokenizer, kv=dec.kv, eos_token_ids=sorted(dec.eos), **kw)
+
+    # -- contexts -------------------------------------------------------------------------------
+    def start(self, prompt: str | list[int], raw: bool = False) -> Handle:
+        """A new root context (computed lazily, at the first fork or generate)."""
+        ids = SpecDecoder.encode(self, prompt, raw)   # same rules: chat template, id range
+        return Handle(self.kv.new_branch(), list(ids), list(ids))
+
+    def extend(self, h: Handle, tokens: str | list[int]) -> Handle:
+        """Append tokens (a tool result, a user turn) to a context, lazily."""
+        ids = self.tokenizer(tokens, add_special_tokens=False)["input_ids"] \
+            if isinstance(tokens, str) else [int(t) for t in tokens]
+        if ids:
+            h.tokens += ids
+            h.pending += ids
+            h.logits = None
+        return h
+
+    def fork(self, h: Handle) -> Handle:
+        """A new context equal to `h`. Pending tokens are computed first, so the shared part
+        is computed and stored once. O(1) in the context length (unless full_copy)."""
+        self.flush([h])
+        t0 = time.perf_counter_ns()
+        br = copy_branch(self.kv, h.branch) if self.full_copy else self.kv.fork(h.branch)
+        self.fork_ns.append(time.perf_counter_ns() - t0)
+        self.forks += 1
+        return Handle(br, list(h.tokens), [], h.logits)
+
+    def release(self, h: Handle) -> None:
+        self.kv.release(h.branch)
+        h.logits = None
+
+    def flush(self, handles: list[Handle]) -> None:
+        """Compute the pending tokens of every handle that has some, in one forward."""
+        todo = [h for h in handles if h.pending]
+        if not todo:
+            return
+        logits = forward_branches(self.model, self.kv, [h.branch for h in todo],
+                                  [h.pending for h in todo])
+        self.forwards += 1
+        for h, lg in zip(todo, logits):
+            h.pending, h.logits = [], lg
+
+    def logits(self, h: Handle) -> torch.Tensor:
+        """Next-token logits `[V]` of a context."""
+        self.flush([h])
+        if h.logits is None:
+            raise SpecforkError("an empty context has no next-token distribution")
+        return h.logits
+
+    # -- generation -----------------------------------------------------------------------------
+    def generate(self, h: Handle, max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_p: float | None = None, top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> list[int]:
+        """Decode on one branch; the new tokens join the context. Greedy output equals
+        `SpecDecoder.generate` on the same token ids."""
+        return self.generate_many([h], max_new_tokens, temperature, top_p, top_k, generator)[0]
+
+    def generate_many(self, handles: list[Handle], max_new_tokens: int = 128,
+                      temperature: float = 0.0, top_p: float | None = None,
+                      top_k: int | None = None,
+                      generator: torch.Generator | None = None) -> list[list[int]]:
+        """Decode on several branches at once: one forward per step for all unfinished ones."""
+        if max_new_tokens <= 0:
+            raise SpecforkError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        if len({id(h.branch) for h in handles}) != len(handles):
+            raise ValueError("generate_many needs distinct handles")
+        out: list[list[int]] = [[] for _ in handles]
+        live = list(range(len(handles)))
+        while live:
+            self.flush([handles[i] for i in live])
+            nxt = []
+            for i in live:
+                h = handles[i]
+                lg = h.logits.float()
+                t = int(lg.argmax()) if temperature == 0.0 else \
+                    sample(probs_from_logits(lg, temperature, top_k, top_p), generator)
+                out[i].append(t)
+                self.extend(h, [t])
+                if t not in self.eos and len(out[i]) < max_new_tokens:
+                    nxt.append(i)
+            live = nxt
+        return out
+
+    def stats(self) -> dict:
+        return self.kv.stats()

@@ -1,0 +1,132 @@
+"""Branching sessions: forked contexts decode as independent runs would, and share the prefix."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from specfork.decoder import SpecDecoder
+from specfork.errors import SpecforkError
+from specfork.kv_tree import PoolExhausted
+from specfork.model import Model
+from specfork.session import Session
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            initializer_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return Model(AutoModelForCausalLM.from_config(LlamaConfig(**TINY), dtype=torch.float32).eval())
+
+
+def _ids(n, seed):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _shared_prefix_blocks(s: Session, a, b) -> int:
+    """Leading logical blocks that two contexts read from the same physical block."""
+    ta, tb = s.kv.block_table(a.branch), s.kv.block_table(b.branch)
+    return next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+
+
+def test_fork_is_metadata_and_release_frees(tiny):
+    s = Session(tiny, eos_token_ids=[], max_kv_tokens=1024)
+    root = s.start(_ids(40, 1))
+    s.logits(root)                                   # prefill: 3 blocks (40 tokens)
+    used = s.pool.used_blocks
+    kids = [s.fork(root) for _ in range(8)]
+    assert s.pool.used_blocks == used and s.forks == 8   # no block allocated, none copied
+    for k in kids:
+        s.extend(k, [7])
+    s.flush(kids)                  # each kid writes its token into a CoW copy of block 3
+    assert s.pool.used_blocks == used + 8
+    for h in [root] + kids:
+        s.release(h)
+    assert s.pool.used_blocks == 0 and s.kv.live_branches == 0
+
+
+def test_branches_equal_independent_runs_tiny(tiny):
+    dec = SpecDecoder(tiny, None, eos_token_ids=[])
+    s = Session.from_decoder(dec)
+    prefix, tails = _ids(37, 2), [_ids(5, 3), _ids(9, 4)]
+    root = s.start(prefix)
+    branches = [s.extend(s.fork(root), t) for t in tails]
+    s.release(root)
+    got = [s.generate(b, max_new_tokens=20) for b in branches]
+    for g, t in zip(got, tails):
+        assert g == dec.generate(prefix + t, max_new_tokens=20).token_ids
+    assert _shared_prefix_blocks(s, *branches) == 37 // 16
+    for b in branches:
+        s.release(b)
+    assert dec.pool.used_blocks == 0
+
+
+def test_generate_many_is_one_forward_per_step(tiny):
+    s = Session(tiny, eos_token_ids=[], max_kv_tokens=1024)
+    root = s.start(_ids(30, 5))
+    hs = [s.extend(s.fork(root), [t]) for t in (3, 4, 5)]
+    alone = [s.fork(h) for h in hs]                  # flushed at fork: same contexts
+    f0 = s.forwards
+    together = s.generate_many(hs, max_new_tokens=12)
+    assert s.forwards - f0 == 11                     # token 1 comes from the forks' logits
+    assert together == [s.generate(h, max_new_tokens=12) for h in alone]
+
+
+def test_full_copy_same_tokens_more_memory(tiny):
+    out, peak = {}, {}
+    for full in (False, True):
+        s = Session(tiny, eos_token_ids=[], max_kv_tokens=2048, full_copy=full)
+        root = s.start(_ids(64, 6))
+        s.logits(root)
+        s.pool.reset_peak()
+        kids = [s.extend(s.fork(root), [t]) for t in range(4)]
+        out[full] = s.generate_many(kids, max_new_tokens=8)
+        peak[full] = s.pool.peak_bytes
+        assert len(s.fork_ns) == 4
+    assert out[True] == out[False]
+    bb = s.pool.block_bytes
+    assert peak[False] == (4 + 4) * bb               # root's 4 blocks + one tail block per kid
+    assert peak[True] == (4 + 4 * 5) * bb            # + a 5-block copy per kid
+
+
+def test_session_errors(tiny):
+    s = Session(tiny, eos_token_ids=[], max_kv_tokens=256)
+    with pytest.raises(SpecforkError):
+        s.start([])
+    with pytest.raises(SpecforkError):
+        s.generate(s.start([1, 2]), max_new_tokens=0)
+    big = s.start([1] * 300)
+    with pytest.raises(PoolExhausted):               # pool of 256 tokens; nothing half-done
+        s.logits(big)
+    assert s.pool.used_blocks == 0 and big.branch.length == 0 and len(big.pending) == 300
+
+
+@pytest.mark.slow
+def test_embedded_branches_equal_independent_runs(smol, mt_prompts):
+    """Two branches of one chat prompt (greedy; sampled with its own seed), and two branches
+    that each got a different tool result, equal independent SpecDecoder runs; while all
+    five contexts live, the prompt's blocks are stored once."""
+    _, tok, model = smol
+    dec = SpecDecoder(model, tok)
+    s = Session.from_decoder(dec)
+    ids = dec.encode(mt_prompts[0]["text"])
+    tails = [tok("Sure! ", add_special_tokens=False)["input_ids"],
+             tok("Tool result: 42.\n", add_special_tokens=False)["input_ids"]]
+    root = s.start(ids)
+    a, b = s.fork(root), s.fork(root)
+    c, d = (s.extend(s.fork(root), t) for t in tails)
+    got = [s.generate(a, 24), s.generate(b, 24, temperature=0.7,
+                                         generator=torch.Generator().manual_seed(3)),
+           s.generate(c, 24), s.generate(d, 24)]
+    ref = [dec.generate(ids, 24), dec.generate(ids, 24, temperature=0.7, seed=3),
+           dec.generate(ids + tails[0], 24), dec.generate(ids + tails[1], 24)]
+    assert got == [r.token_ids for r in ref]
+    full = len(ids) // 16
+    tables = [s.kv.block_table(h.branch) for h in (root, a, b, c, d)]
+    assert full >= 3 and all(t[:full] == tables[0][:full] for t in tables)
+    assert s.pool.used_blocks == len(set().union(*tables))       # nothing but these tables
+    assert s.pool.used_blocks == sum(map(len, tables)) - 4 * full
+    for h in (root, a, b, c, d):
+        s.release(h)
+    assert dec.pool.used_blocks == 0
