@@ -1,0 +1,76 @@
+"""The shipped draft: small on disk, an ordinary HF causal LM, and a useful predictor of the
+embedded target (loose floor; results/draft_eval.json has the real numbers)."""
+import pytest
+import torch
+
+from specfork.drafters.trained_draft import (WEIGHTS, DraftTargetMismatch, DraftWeightsMissing,
+                                             load_trained_draft)
+
+
+def test_shipped_files_small():
+    files = [f for f in WEIGHTS.iterdir() if f.is_file()]
+    assert {"config.json", "model.safetensors", "train_info.json"} <= {f.name for f in files}
+    assert sum(f.stat().st_size for f in files) <= 25 * 2**20
+
+
+def test_missing_weights_is_a_clear_error(tmp_path):
+    with pytest.raises(DraftWeightsMissing, match="train_draft.py"):
+        load_trained_draft(torch.nn.Module(), weights_dir=tmp_path)
+
+
+@pytest.mark.slow
+def test_loads_as_hf_model_sharing_target_embeddings(smol):
+    from transformers import LlamaForCausalLM
+    hf, tok, _ = smol
+    draft = load_trained_draft(hf)
+    assert isinstance(draft, LlamaForCausalLM) and not draft.training
+    assert draft.model.embed_tokens.weight is hf.model.embed_tokens.weight
+    assert draft.lm_head.weight is hf.model.embed_tokens.weight
+    assert draft.config.num_hidden_layers < hf.config.num_hidden_layers
+    half = load_trained_draft(hf, dtype=torch.bfloat16)
+    assert half.lm_head.weight.dtype == torch.bfloat16
+    assert hf.model.embed_tokens.weight.dtype == torch.float32       # target untouched
+
+
+@pytest.mark.slow
+def test_refuses_another_target(smol):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=1,
+                                         num_attention_heads=9, num_key_value_heads=3,
+                                         intermediate_size=64))
+    with pytest.raises(DraftTargetMismatch):
+        load_trained_draft(other)
+
+
+@pytest.mark.slow
+def test_greedy_acceptance_and_engine_use(smol, mt_prompts, he_prompts):
+    """The draft's argmax matches the target's greedy tokens often; inside SpecDecoder the output
+    is the plain greedy decode; HF assisted generation takes the same model object."""
+    from specfork.decoder import SpecDecoder
+    from specfork.drafters.model_drafter import ModelDrafter
+    from specfork.model import Model
+    hf, tok, model = smol
+    draft = load_trained_draft(hf)
+    plain = SpecDecoder(model, tok, max_kv_tokens=512)
+    spec = SpecDecoder(model, tok, [ModelDrafter(Model(draft), "trained", max_kv_tokens=512)],
+                       num_paths=1, draft_len=4, max_kv_tokens=512)
+    hits = total = 0
+    for p in [mt_prompts[0], he_prompts[0], he_prompts[2]]:
+        ref = plain.generate(p["text"], max_new_tokens=40)
+        ids = torch.tensor([ref.prompt_token_ids + ref.token_ids[:-1]])
+        with torch.inference_mode():
+            pred = draft(input_ids=ids).logits[0, len(ref.prompt_token_ids) - 1:].argmax(-1)
+        hits += int((pred == torch.tensor(ref.token_ids)).sum())
+        total += len(ref.token_ids)
+        out = spec.generate(p["text"], max_new_tokens=40)
+        assert out.token_ids == ref.token_ids
+        assert out.stats["kv_blocks_leaked"] == 0
+    assert hits / total >= 0.3, hits / total          # ~0.02 untrained
+
+    enc = tok.apply_chat_template([{"role": "user", "content": mt_prompts[1]["text"]}],
+                                  add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)
+    with torch.inference_mode():
+        a = hf.generate(**enc, max_new_tokens=16, do_sample=False)
+        b = hf.generate(**enc, max_new_tokens=16, do_sample=False, assistant_model=draft)
+    assert torch.equal(a, b)
