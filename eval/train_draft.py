@@ -478,6 +478,7 @@ def train(args) -> None:
     save_file(sd, args.out / "model.safetensors", metadata={"format": "pt"})
     cfg = draft.config.to_dict()
     cfg["architectures"] = ["LlamaForCausalLM"]
+    cfg.pop("_name_or_path", None)                  # a local cache path, not part of the model
     (args.out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     (args.out / "train_info.json").write_text(json.dumps(info, indent=2) + "\n")
     print(json.dumps(info["held_out_agreement"]), file=sys.stderr)
