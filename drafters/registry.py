@@ -20,8 +20,22 @@ def make_drafters(spec: str | None, target: str, model, drafts: int) -> list:
                 raise SpecforkError("drafter 'model' needs a model: model:ID_OR_PATH")
             from specfork.drafters.model_drafter import ModelDrafter
             out.append(ModelDrafter.load(arg, target_model=model))
+        elif kind == "trained":
+            out.append(_trained(model))
         else:
-            raise SpecforkError(f"unknown drafter '{kind}' (use ngram or model:ID_OR_PATH)")
+            raise SpecforkError(f"unknown drafter '{kind}' (use ngram, trained or "
+                                "model:ID_OR_PATH)")
     if not out:
         raise SpecforkError(f"empty drafter spec '{spec}'")
     return out
+
+
+def _trained(model):
+    """The shipped distilled draft of the embedded target; fp16 on CPU, where it is cheapest."""
+    import torch
+
+    from specfork.drafters.model_drafter import ModelDrafter
+    from specfork.drafters.trained_draft import load_trained_draft
+    from specfork.model import Model
+    dt = torch.float16 if model.device.type == "cpu" else model.dtype
+    return ModelDrafter(Model(load_trained_draft(model.hf, dtype=dt)), name="trained")
