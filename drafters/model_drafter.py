@@ -94,20 +94,27 @@ class ModelDrafter:
         self.forks = [kv.fork(self.C) for _ in first]
         self.fork_tokens = toks
         base = self.C.length
+        committed = torch.cat([prefix, slots])                # C's slots, shared by every path
+        own = [committed[:0]] * len(self.forks)               # each fork's own slots so far
         for step in range(1, max_len):
             # every path's last token: its K/V go into its fork, its logits give the next token
-            own = [kv.slots(f, base, f.length).to(dev) for f in self.forks]
-            write = torch.cat([kv.append(f, 1) for f in self.forks]).to(dev)
-            prefix_slots = torch.cat([prefix, slots] + own)
-            mask = torch.zeros(len(self.forks), prefix_slots.numel(), dtype=torch.bool, device=dev)
-            mask[:, :base] = True
-            col = base
-            for i, o in enumerate(own):
-                mask[i, col:col + o.numel()] = True
-                col += o.numel()
+            write = [kv.append(f, 1).to(dev) for f in self.forks]
             last = torch.tensor([t[-1] for t in toks], device=dev)
             pos = torch.full((len(toks),), base + step - 1, device=dev)
-            lg = m.forward(last, pos, self.pool, prefix_slots, write, prefix_mask=mask)
+            if len(self.forks) == 1:                          # one path: a plain decode step
+                lg = m.forward(last, pos, self.pool, torch.cat([committed, own[0]]), write[0])
+            else:                                             # each query sees C + its fork
+                prefix_slots = torch.cat([committed] + own)
+                mask = torch.zeros(len(self.forks), prefix_slots.numel(), dtype=torch.bool,
+                                   device=dev)
+                mask[:, :base] = True
+                col = base
+                for i, o in enumerate(own):
+                    mask[i, col:col + o.numel()] = True
+                    col += o.numel()
+                lg = m.forward(last, pos, self.pool, prefix_slots, torch.cat(write),
+                               prefix_mask=mask)
+            own = [torch.cat([o, w]) for o, w in zip(own, write)]
             for i in range(len(toks)):
                 (t,), q = self._choose(lg[i], 1, sp, first=False)
                 toks[i].append(t)

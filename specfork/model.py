@@ -22,42 +22,84 @@ class UnsupportedModel(SpecforkError):
     pass
 
 
+class Linear:
+    """y = x @ w.T + b over borrowed weights. On CPU (fp32, or bf16) it may also keep `w`
+    pre-packed for oneDNN: the few-row matmuls of decoding (1 row), beams (W rows) and tree
+    verification (tree-size rows) then run near memory bandwidth, 1.1-2x faster than F.linear,
+    whose sgemm re-packs the weights on every call (eval/bench_linear.py)."""
+    __slots__ = ("w", "b", "packed")
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None, pack: bool = False):
+        self.w, self.b = w, b
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) if pack else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] <= MAX_PACKED_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
+        return F.linear(x, self.w, self.b)
+
+    def add_to(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """x + self(a): the residual add folded into the matmul."""
+        if self.packed is not None and a.shape[0] <= MAX_PACKED_ROWS:
+            return torch.ops.mkldnn._linear_pointwise.binary(a, x, self.packed, self.b, "add")
+        if self.b is not None:
+            return x + F.linear(a, self.w, self.b)
+        return torch.addmm(x, a, self.w.t())
+
+
+PACK_ROWS = 8              # oneDNN's layout hint; measured flat from 1 to 16 rows on CPU
+MAX_PACKED_ROWS = 16       # decode, beams, draft trees; prompt prefill keeps HF's own GEMM
+
+
 @dataclass
 class Layer:
+    """One decoder layer. q|k|v and gate|up are each one matrix (fewer, larger matmuls); the
+    HF modules' own parameters are re-pointed at row slices of them, so the weights exist once
+    and the HF model keeps working."""
     ln1: torch.Tensor
-    wq: torch.Tensor
-    wk: torch.Tensor
-    wv: torch.Tensor
-    bq: torch.Tensor | None
-    bk: torch.Tensor | None
-    bv: torch.Tensor | None
-    wo: torch.Tensor
-    bo: torch.Tensor | None
+    qkv: Linear                  # [(H + 2*KVH) * D, hidden]
+    o: Linear
     ln2: torch.Tensor
-    w_gate: torch.Tensor
-    w_up: torch.Tensor
-    w_down: torch.Tensor
+    gate_up: Linear              # [2 * intermediate, hidden]
+    down: Linear
+
+
+def _fuse(mods: list, name: str) -> torch.Tensor | None:
+    """Concatenate `mods[i].<name>` along dim 0 and re-point each at its slice (no second copy)."""
+    parts = [getattr(m, name) for m in mods]
+    if any(p is None for p in parts):
+        return None
+    fused = torch.cat([p.data for p in parts])
+    start = 0
+    for p in parts:
+        p.data = fused[start:start + p.shape[0]]
+        start += p.shape[0]
+    return fused
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """As HF: normalise in fp32, scale in the model dtype."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, w.shape, w, eps)               # one op, bit-equal to HF's in fp32
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return w * xf.to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[T, heads, D]`, cos/sin `[T, D]` (HF's rotate-half convention)."""
-    cos, sin = cos[:, None], sin[:, None]
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x `[T, heads, D]`; cos, sin_signed `[T, 1, D]` from `Model.rope`. HF's rotate-half,
+    x*cos + cat(-x2, x1)*sin, as x*cos + flip_halves(x)*cat(-sin1, sin2): three ops."""
+    T, n, D = x.shape
+    rot = x.view(T, n, 2, D // 2).flip(2).view(T, n, D)
+    return torch.addcmul(x * cos, rot, sin_signed)
 
 
 class Model:
     """Plain-tensor forward of a causal LM whose K/V live in a `BlockPool`."""
 
-    def __init__(self, hf):
+    def __init__(self, hf, pack: bool | None = None):
+        """`pack`: keep oneDNN-packed copies of the weights for few-row matmuls (None: on CPU
+        in fp32, or bf16 where the CPU has bf16 GEMMs, when the copies take at most 4 GiB)."""
         cfg = hf.config
         if cfg.model_type not in SUPPORTED:
             raise UnsupportedModel(f"model type '{cfg.model_type}' is not supported "
@@ -77,21 +119,27 @@ class Model:
         body = hf.model
         self.embed = body.embed_tokens.weight
         self.norm = body.norm.weight
-        self.lm_head = hf.lm_head.weight
         self.rotary = body.rotary_emb
         self.dtype, self.device = self.embed.dtype, self.embed.device
 
-        def bias(m):
-            return None if m.bias is None else m.bias
-
+        if pack is None:
+            pack = (self.device.type == "cpu" and torch.backends.mkldnn.is_available()
+                    and (self.dtype == torch.float32 or self.dtype == torch.bfloat16
+                         and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+                    and sum(p.nbytes for p in hf.parameters()) <= 4 << 30)
+        self.pack = pack
+        self.lm_head = Linear(hf.lm_head.weight, pack=pack)
         self.layers = []
         for blk in body.layers:
             a, m = blk.self_attn, blk.mlp
+            qkv = [a.q_proj, a.k_proj, a.v_proj]
             self.layers.append(Layer(
-                ln1=blk.input_layernorm.weight, wq=a.q_proj.weight, wk=a.k_proj.weight,
-                wv=a.v_proj.weight, bq=bias(a.q_proj), bk=bias(a.k_proj), bv=bias(a.v_proj),
-                wo=a.o_proj.weight, bo=bias(a.o_proj), ln2=blk.post_attention_layernorm.weight,
-                w_gate=m.gate_proj.weight, w_up=m.up_proj.weight, w_down=m.down_proj.weight))
+                ln1=blk.input_layernorm.weight,
+                qkv=Linear(_fuse(qkv, "weight"), _fuse(qkv, "bias"), pack),
+                o=Linear(a.o_proj.weight, a.o_proj.bias, pack),
+                ln2=blk.post_attention_layernorm.weight,
+                gate_up=Linear(_fuse([m.gate_proj, m.up_proj], "weight"), pack=pack),
+                down=Linear(m.down_proj.weight, pack=pack)))
 
     def make_pool(self, num_blocks: int | None = None, max_bytes: int | None = None,
                   block_size: int = 16) -> BlockPool:
@@ -100,9 +148,12 @@ class Model:
                          device=self.device)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin `[T, D]` from the HF rotary module itself (covers Llama 3.1 scaling etc.)."""
+        """cos, sin_signed `[T, 1, D]` from the HF rotary module itself (covers Llama 3.1
+        scaling etc.); sin_signed = cat(-sin[:D/2], sin[D/2:]) for `apply_rope`."""
         cos, sin = self.rotary(self.embed[:1], positions[None])
-        return cos[0], sin[0]
+        half = self.head_dim // 2
+        sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1)
+        return cos[0, :, None], sin[:, None]
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, pool: BlockPool,
@@ -121,16 +172,32 @@ class Model:
         """
         T = tokens.shape[0]
         H, KVH, D = self.num_heads, self.kv_heads, self.head_dim
+        nq, nqk = H * D, (H + KVH) * D
         x = self.embed[tokens]                                           # [T, hidden]
         cos, sin = self.rope(positions)
         use_kernel = block_table is not None and prefix_mask is None
+        # Decode fast path (T=1, linear cache): write the new K/V first, then one gather of
+        # prefix + new slot and a plain softmax attention; no cascade, no mask.
+        decode = (T == 1 and write_slots is not None and write_src is None and not use_kernel
+                  and prefix_mask is None)
+        if decode:
+            all_slots = torch.cat((prefix_slots, write_slots))
+        if write_src is not None:
+            write_src = write_src.to(x.device)
         for i, ly in enumerate(self.layers):
             h = rms_norm(x, ly.ln1, self.eps)
-            q = apply_rope(F.linear(h, ly.wq, ly.bq).view(T, H, D), cos, sin)
-            k = apply_rope(F.linear(h, ly.wk, ly.bk).view(T, KVH, D), cos, sin)
-            v = F.linear(h, ly.wv, ly.bv).view(T, KVH, D)
+            qkv = ly.qkv(h)                          # [T, (H+2KVH)*D]
+            qk = apply_rope(qkv[:, :nqk].view(T, H + KVH, D), cos, sin)
+            q, k = qk[:, :H], qk[:, H:]
+            v = qkv[:, nqk:].view(T, KVH, D)
             kf, vf = pool.layer_slots(i)                                # [slots, KVH, D]
-            if use_kernel:
+            if write_slots is not None:
+                kf.index_copy_(0, write_slots, k if write_src is None else k.index_select(0, write_src))
+                vf.index_copy_(0, write_slots, v if write_src is None else v.index_select(0, write_src))
+            if decode:
+                a = _decode_attention(q, kf.index_select(0, all_slots),
+                                      vf.index_select(0, all_slots), self.scale)
+            elif use_kernel:
                 a = tree_attention(q, pool.k[i], pool.v[i], block_table, prefix_slots.numel(),
                                    k, v, tree_mask, self.scale)
             elif prefix_mask is None:
@@ -141,16 +208,22 @@ class Model:
                 a = _masked_attention(q, kf.index_select(0, prefix_slots),
                                       vf.index_select(0, prefix_slots), k, v,
                                       prefix_mask, tree_mask, self.scale)
-            if write_slots is not None:
-                src = slice(None) if write_src is None else write_src
-                kf[write_slots] = k[src]
-                vf[write_slots] = v[src]
-            x = x + F.linear(a.reshape(T, H * D), ly.wo, ly.bo)
-            h = rms_norm(x, ly.ln2, self.eps)
-            x = x + F.linear(F.silu(F.linear(h, ly.w_gate)) * F.linear(h, ly.w_up), ly.w_down)
+            x = ly.o.add_to(x, a.reshape(T, nq))
+            g, u = ly.gate_up(rms_norm(x, ly.ln2, self.eps)).chunk(2, dim=-1)
+            x = ly.down.add_to(x, F.silu(g) * u)
         if logits_idx is not None:
             x = x[logits_idx]
-        return F.linear(rms_norm(x, self.norm, self.eps), self.lm_head)
+        return self.lm_head(rms_norm(x, self.norm, self.eps))
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """One query `[1, H, D]` over keys/values `[L, KVH, D]` -> `[1, H, D]`; the G query heads
+    of a kv head are rows of one bmm (GQA without repeating K/V)."""
+    L, KVH, D = k.shape
+    qg = q.reshape(KVH, -1, D)                                   # [KVH, G, D]
+    s = torch.bmm(qg, k.permute(1, 2, 0)).mul_(scale)            # [KVH, G, L]
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.bmm(p, v.transpose(0, 1)).view(1, -1, D)
 
 
 def _masked_attention(q, k_prefix, v_prefix, k_new, v_new, prefix_mask, tree_mask, scale):
