@@ -1,16 +1,16 @@
 """Distil a small draft for the embedded SmolLM2-135M-Instruct from the target itself.
 
-    python eval/train_draft.py gen      # target generations for 896 prompts -> $DATA (top-k logits)
+    python eval/train_draft.py gen      # target generations for 2048 prompts -> $DATA (top-k logits)
     python eval/train_draft.py train    # 5 epochs -> drafters/weights/
-    python eval/train_draft.py all      # both: the shipped draft (~25 + ~12 min on one core)
+    python eval/train_draft.py all      # both: the shipped draft (~45 + ~35 min on one core)
     python eval/train_draft.py gen --resume --seqs 2880    # longer: more of the 2883 prompts
 
 The draft is an ordinary LlamaForCausalLM with the target's width and `--init-layers` decoder
-layers copied from the target (default its first two: with the last one, 0,29, it starts at 0%
+layers copied from the target (default its first three: with the last one, 0,29, it starts at 0%
 agreement and learns slower), the target's final norm, and the target's embeddings as input and
 tied output matrix. Embeddings stay frozen and are not shipped:
 `specfork.drafters.trained_draft` takes them from the target at load, so only the layers and the
-norm (fp16, ~14 MB) live in the repo.
+norm (fp16, ~20 MiB) live in the repo.
 
 Data never touches MT-bench or HumanEval: chat instructions built from templates over word lists,
 HumanEval-style function stubs (imports, signature, docstring) cut from the Python standard
@@ -494,7 +494,7 @@ def main(argv=None) -> None:
     g = p.add_argument_group("gen")
     g.add_argument("--prompts", type=int, default=3000, help="prompts built (another value "
                    "reorders them: keep it when resuming)")
-    g.add_argument("--seqs", type=int, default=896, help="prompts answered (whole batches)")
+    g.add_argument("--seqs", type=int, default=2048, help="prompts answered (whole batches)")
     g.add_argument("--gen-minutes", dest="gen_minutes", type=float, default=math.inf,
                    help="stop starting batches after this long (resume with --resume)")
     g.add_argument("--resume", action="store_true", help="append to --data, skipping the "
@@ -507,7 +507,7 @@ def main(argv=None) -> None:
                    help="share of batches sampled instead of greedy")
     g.add_argument("--temperature", type=float, default=0.8)
     t = p.add_argument_group("train")
-    t.add_argument("--init-layers", dest="init_layers", default="0,1")
+    t.add_argument("--init-layers", dest="init_layers", default="0,1,2")
     t.add_argument("--epochs", type=float, default=5.0)
     t.add_argument("--train-minutes", dest="train_minutes", type=float, default=math.inf,
                    help="stop early after this long (the LR schedule assumes all epochs)")
