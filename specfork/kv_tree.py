@@ -201,8 +201,6 @@ class KVTree:
         self._check(br)
         br.held = False
         self.live_branches -= 1
-        if len(br.children) > 1:             # nobody can read past the last fork point now
-            self._cut(br, max(c.base for c in br.children))
         self._collect(br)
 
     def adopt(self, br: Branch, child: Branch) -> None:
@@ -269,7 +267,8 @@ class KVTree:
 
     def _collect(self, b: Branch | None) -> None:
         while b is not None and not b.held:
-            if len(b.children) > 1:
+            if len(b.children) > 1:                  # no reader past the last fork point left
+                self._cut(b, max(c.base for c in b.children))
                 return
             parent = b.parent
             if not b.children:                       # free: its own blocks only

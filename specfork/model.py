@@ -48,7 +48,7 @@ class Linear:
 
 
 PACK_ROWS = 8              # oneDNN's layout hint; measured flat from 1 to 16 rows on CPU
-MAX_PACKED_ROWS = 16       # decode, beams, draft trees; prompt prefill keeps HF's own GEMM
+MAX_PACKED_ROWS = 32       # decode, beams, draft trees; longer prompt prefills keep HF's GEMM
 
 
 @dataclass

@@ -121,9 +121,6 @@ def test_token_blocks_fork_vs_naive(token_run):
     assert floor < 30 + 4 * 19                       # the beams did share history
 
 
-@pytest.mark.xfail(strict=True, reason="KVTree keeps a handle-less node's tokens past its last "
-                   "remaining fork point after one of its >1 children goes (kv_tree._collect "
-                   "does not re-cut); fork search peaks 1 token above the live beams here")
 def test_token_blocks_hold_exactly_the_live_beams(token_run):
     """With pruned beams freed at once, the peak is exactly the prompt plus the distinct
     prefixes of the running beams at their fullest step."""
