@@ -184,6 +184,8 @@ class Model:
             all_slots = torch.cat((prefix_slots, write_slots))
         if write_src is not None:
             write_src = write_src.to(x.device)
+        if prefix_mask is not None:
+            bias = _mask_bias(prefix_mask, tree_mask, H // KVH, x.dtype)
         for i, ly in enumerate(self.layers):
             h = rms_norm(x, ly.ln1, self.eps)
             qkv = ly.qkv(h)                          # [T, (H+2KVH)*D]
@@ -206,8 +208,7 @@ class Model:
                                          tree_mask, self.scale)
             else:
                 a = _masked_attention(q, kf.index_select(0, prefix_slots),
-                                      vf.index_select(0, prefix_slots), k, v,
-                                      prefix_mask, tree_mask, self.scale)
+                                      vf.index_select(0, prefix_slots), k, v, bias, self.scale)
             x = ly.o.add_to(x, a.reshape(T, nq))
             g, u = ly.gate_up(rms_norm(x, ly.ln2, self.eps)).chunk(2, dim=-1)
             x = ly.down.add_to(x, F.silu(g) * u)
@@ -226,17 +227,28 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return torch.bmm(p, v.transpose(0, 1)).view(1, -1, D)
 
 
-def _masked_attention(q, k_prefix, v_prefix, k_new, v_new, prefix_mask, tree_mask, scale):
-    """Queries that each see their own subset of a shared prefix (beams over a KV tree)."""
-    T = q.shape[0]
-    k = torch.cat([k_prefix, k_new]).transpose(0, 1)
-    v = torch.cat([v_prefix, v_new]).transpose(0, 1)
+def _mask_bias(prefix_mask: torch.Tensor, tree_mask: torch.Tensor | None, G: int, dtype):
+    """Additive mask `[T*G, L+T]` (0 / -inf) for `_masked_attention`, built once per forward:
+    row t*G+g is query head g of token t's kv group. tree_mask None: each token sees itself."""
+    T = prefix_mask.shape[0]
     if tree_mask is None:
-        tree_mask = torch.eye(T, dtype=torch.bool, device=q.device)
-    mask = torch.cat([prefix_mask, tree_mask], dim=1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[0])
-    return out.transpose(0, 1)
+        tree_mask = torch.eye(T, dtype=torch.bool, device=prefix_mask.device)
+    see = torch.cat([prefix_mask, tree_mask], dim=1).repeat_interleave(G, dim=0)
+    return torch.zeros(see.shape, dtype=dtype, device=see.device).masked_fill_(~see, float("-inf"))
+
+
+def _masked_attention(q, k_prefix, v_prefix, k_new, v_new, bias, scale):
+    """Queries that each see their own subset of a shared prefix (beams, draft paths over a KV
+    tree): q `[T, H, D]`, prefix K/V `[L, KVH, D]`, new K/V `[T, KVH, D]`, bias `[T*G, L+T]`.
+    Two bmm's with the G heads of a kv head as rows (no K/V repeat, no SDPA mask path)."""
+    T, H, D = q.shape
+    KVH = k_new.shape[1]
+    k = torch.cat([k_prefix, k_new]).permute(1, 2, 0)                 # [KVH, D, L+T]
+    v = torch.cat([v_prefix, v_new]).transpose(0, 1)                  # [KVH, L+T, D]
+    qg = q.reshape(T, KVH, H // KVH, D).transpose(0, 1).reshape(KVH, -1, D)   # [KVH, T*G, D]
+    p = torch.softmax(torch.baddbmm(bias, qg, k, alpha=scale), dim=-1, dtype=torch.float32)
+    o = torch.bmm(p.to(v.dtype), v)                                   # [KVH, T*G, D]
+    return o.view(KVH, T, -1, D).transpose(0, 1).reshape(T, H, D)
 
 
 def causal_mask(T: int, device=None) -> torch.Tensor:
