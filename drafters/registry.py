@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from specfork.errors import SpecforkError
 
-# The default drafter mix per target (aliases); others fall back to n-gram lookup.
-DEFAULTS = {"smollm2-135m": "ngram"}
+# The default drafter mix per target (aliases); others fall back to n-gram lookup. The embedded
+# target: n-gram lookup first (free when the context repeats itself), the shipped trained draft
+# takes the paths n-gram leaves unused (SpecDecoder passes an unused share on).
+DEFAULTS = {"smollm2-135m": "ngram,trained"}
 
 
 def make_drafters(spec: str | None, target: str, model, drafts: int) -> list:

@@ -74,3 +74,10 @@ def test_greedy_acceptance_and_engine_use(smol, mt_prompts, he_prompts):
         a = hf.generate(**enc, max_new_tokens=16, do_sample=False)
         b = hf.generate(**enc, max_new_tokens=16, do_sample=False, assistant_model=draft)
     assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_default_mix_of_the_embedded_target_uses_the_trained_draft(smol):
+    from specfork.drafters.registry import make_drafters
+    _, _, model = smol
+    assert [d.name for d in make_drafters(None, "smollm2-135m", model, 3)] == ["ngram", "trained"]
