@@ -61,7 +61,7 @@ def _args(argv):
                         "from the start (default 60; --quick 10; 0: no limit)")
     p.add_argument("--beams", type=int, default=4, help="beam width of rows 3-5")
     p.add_argument("--paths", type=int, default=3, help="draft paths of the multi-draft row")
-    p.add_argument("--draft-len", type=int, default=6, help="tokens per draft path (ours)")
+    p.add_argument("--draft-len", type=int, default=4, help="tokens per draft path (ours)")
     p.add_argument("--lookup-tokens", type=int, default=10,
                    help="HF prompt_lookup_num_tokens (HF's documented example value)")
     p.add_argument("--rows", default=None,

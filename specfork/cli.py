@@ -25,7 +25,7 @@ def _args(argv):
     g.add_argument("--drafter", default=None,
                    help="drafter mix, comma separated: ngram, model:ID_OR_PATH "
                         "(default: the target's default draft)")
-    g.add_argument("--draft-len", type=int, default=6, help="tokens per draft path")
+    g.add_argument("--draft-len", type=int, default=4, help="tokens per draft path")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file holding the prompt ('-' for stdin)")

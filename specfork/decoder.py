@@ -42,7 +42,7 @@ class SpecDecoder:
     """Speculative decoding with any mix of drafters over one target model."""
 
     def __init__(self, model: Model, tokenizer, drafters: list[Drafter] | None = None,
-                 num_paths: int = 0, draft_len: int = 6, tree_budget: int | None = None,
+                 num_paths: int = 0, draft_len: int = 4, tree_budget: int | None = None,
                  max_kv_tokens: int | None = None, block_size: int = 16,
                  eos_token_ids: list[int] | None = None):
         self.model, self.tokenizer = model, tokenizer
@@ -64,7 +64,7 @@ class SpecDecoder:
 
     @classmethod
     def from_pretrained(cls, target: str = "smollm2-135m", drafts: int = 0,
-                        drafter: str | None = None, draft_len: int = 6,
+                        drafter: str | None = None, draft_len: int = 4,
                         dtype: torch.dtype | None = None, device: str | None = None,
                         **kw) -> "SpecDecoder":
         from specfork.drafters.registry import make_drafters
