@@ -23,7 +23,7 @@ def _args(argv):
                         "embedded SmolLM2-135M-Instruct)")
     g.add_argument("--drafts", type=int, default=0, help="draft paths per step (0: no drafting)")
     g.add_argument("--drafter", default=None,
-                   help="drafter mix, comma separated: ngram, model:ID_OR_PATH "
+                   help="drafter mix, comma separated: ngram, trained, model:ID_OR_PATH "
                         "(default: the target's default draft)")
     g.add_argument("--draft-len", type=int, default=4, help="tokens per draft path")
     src = g.add_mutually_exclusive_group(required=True)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specfork.kernels.tree_attention import tree_attention, tree_attention_torch
+from specfork.kernels.tree_attention import (_group_rows, _ungroup_rows, tree_attention,
+                                             tree_attention_torch)
 from specfork.errors import SpecforkError
 from specfork.kv_tree import BlockPool
 
@@ -25,8 +26,9 @@ class UnsupportedModel(SpecforkError):
 class Linear:
     """y = x @ w.T + b over borrowed weights. On CPU (fp32, or bf16) it may also keep `w`
     pre-packed for oneDNN: the few-row matmuls of decoding (1 row), beams (W rows) and tree
-    verification (tree-size rows) then run near memory bandwidth, 1.1-2x faster than F.linear,
-    whose sgemm re-packs the weights on every call (eval/bench_linear.py)."""
+    verification (tree-size rows) then run near memory bandwidth, 1.7-3.2x faster than
+    F.linear, whose sgemm re-packs the weights on every call (results/linear_cpu.json, from
+    eval/bench_linear.py)."""
     __slots__ = ("w", "b", "packed")
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None, pack: bool = False):
@@ -47,15 +49,15 @@ class Linear:
         return torch.addmm(x, a, self.w.t())
 
 
-PACK_ROWS = 8              # oneDNN's layout hint; measured flat from 1 to 16 rows on CPU
+PACK_ROWS = 8              # oneDNN's layout hint: the row count the packing is tuned for
 MAX_PACKED_ROWS = 32       # decode, beams, draft trees; longer prompt prefills keep HF's GEMM
 
 
 @dataclass
 class Layer:
     """One decoder layer. q|k|v and gate|up are each one matrix (fewer, larger matmuls); the
-    HF modules' own parameters are re-pointed at row slices of them, so the weights exist once
-    and the HF model keeps working."""
+    HF modules' own parameters are re-pointed at row slices of them, so the plain weights exist
+    once (beside `Linear`'s packed copy) and the HF model keeps working."""
     ln1: torch.Tensor
     qkv: Linear                  # [(H + 2*KVH) * D, hidden]
     o: Linear
@@ -193,9 +195,11 @@ class Model:
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, nqk:].view(T, KVH, D)
             kf, vf = pool.layer_slots(i)                                # [slots, KVH, D]
-            if write_slots is not None:
-                kf.index_copy_(0, write_slots, k if write_src is None else k.index_select(0, write_src))
-                vf.index_copy_(0, write_slots, v if write_src is None else v.index_select(0, write_src))
+            if write_slots is not None:                   # write_src: a node on several forks
+                kw = k if write_src is None else k.index_select(0, write_src)
+                vw = v if write_src is None else v.index_select(0, write_src)
+                kf.index_copy_(0, write_slots, kw)
+                vf.index_copy_(0, write_slots, vw)
             if decode:
                 a = _decode_attention(q, kf.index_select(0, all_slots),
                                       vf.index_select(0, all_slots), self.scale)
@@ -220,9 +224,8 @@ class Model:
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """One query `[1, H, D]` over keys/values `[L, KVH, D]` -> `[1, H, D]`; the G query heads
     of a kv head are rows of one bmm (GQA without repeating K/V)."""
-    L, KVH, D = k.shape
-    qg = q.reshape(KVH, -1, D)                                   # [KVH, G, D]
-    s = torch.bmm(qg, k.permute(1, 2, 0)).mul_(scale)            # [KVH, G, L]
+    KVH, D = k.shape[1:]
+    s = torch.bmm(_group_rows(q, KVH), k.permute(1, 2, 0)).mul_(scale)    # [KVH, G, L]
     p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
     return torch.bmm(p, v.transpose(0, 1)).view(1, -1, D)
 
@@ -241,14 +244,12 @@ def _masked_attention(q, k_prefix, v_prefix, k_new, v_new, bias, scale):
     """Queries that each see their own subset of a shared prefix (beams, draft paths over a KV
     tree): q `[T, H, D]`, prefix K/V `[L, KVH, D]`, new K/V `[T, KVH, D]`, bias `[T*G, L+T]`.
     Two bmm's with the G heads of a kv head as rows (no K/V repeat, no SDPA mask path)."""
-    T, H, D = q.shape
     KVH = k_new.shape[1]
     k = torch.cat([k_prefix, k_new]).permute(1, 2, 0)                 # [KVH, D, L+T]
     v = torch.cat([v_prefix, v_new]).transpose(0, 1)                  # [KVH, L+T, D]
-    qg = q.reshape(T, KVH, H // KVH, D).transpose(0, 1).reshape(KVH, -1, D)   # [KVH, T*G, D]
-    p = torch.softmax(torch.baddbmm(bias, qg, k, alpha=scale), dim=-1, dtype=torch.float32)
-    o = torch.bmm(p.to(v.dtype), v)                                   # [KVH, T*G, D]
-    return o.view(KVH, T, -1, D).transpose(0, 1).reshape(T, H, D)
+    s = torch.baddbmm(bias, _group_rows(q, KVH), k, alpha=scale)      # [KVH, T*G, L+T]
+    p = torch.softmax(s, dim=-1, dtype=torch.float32)
+    return _ungroup_rows(torch.bmm(p.to(v.dtype), v), q.shape[0])
 
 
 def causal_mask(T: int, device=None) -> torch.Tensor:
