@@ -17,8 +17,9 @@ from specfork.sampling import probs_from_logits
 
 class ModelDrafter:
     def __init__(self, model: Model, name: str = "model", max_kv_tokens: int = 8192,
-                 max_paths: int = 8, max_len: int = 16, block_size: int = 16):
+                 max_paths: int = 8, max_len: int = 16, block_size: int | None = None):
         self.model, self.name = model, name
+        block_size = block_size or model.block_size
         blocks = -(-max_kv_tokens // block_size) + max_paths * (-(-max_len // block_size) + 2)
         self.pool = model.make_pool(num_blocks=blocks, block_size=block_size)
         self.kv = KVTree(self.pool)

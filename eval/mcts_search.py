@@ -108,7 +108,8 @@ def search(sess, prompt_ids, branching, depth, simulations, c_puct):
 
 def run(model, tok, prompt_ids, a, full_copy):
     from specfork.session import Session
-    sess = Session(model, tok, max_kv_tokens=a.max_kv_tokens, full_copy=full_copy)
+    sess = Session(model, tok, max_kv_tokens=a.max_kv_tokens, block_size=a.block_size,
+                   full_copy=full_copy)
     t0 = time.perf_counter()
     out = search(sess, prompt_ids, a.branching, a.depth, a.simulations, a.c_puct)
     wall = time.perf_counter() - t0
@@ -134,6 +135,8 @@ def main(argv=None):
     ap.add_argument("--c-puct", type=float, default=1.0)
     ap.add_argument("--max-kv-tokens", type=int, default=24576)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="KV block size (default: the model's, 1 on CPU)")
     ap.add_argument("--out", default="results/mcts.json")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -154,7 +157,7 @@ def main(argv=None):
     copy = run(model, tok, ids, a, full_copy=True)
     res = {"model": "smollm2-135m (fp32)", "prompt": p["id"], "prompt_tokens": len(ids),
            "branching": a.branching, "depth": a.depth, "simulations": a.simulations,
-           "block_size": 16, "threads": a.threads,
+           "block_size": a.block_size or model.block_size, "threads": a.threads,
            "greedy_path_mean_logprob": g_mean / len(greedy.token_ids),
            "kv_tree": tree, "full_copy": copy,
            "same_search": tree["expanded"] == copy["expanded"],

@@ -43,7 +43,7 @@ class SpecDecoder:
 
     def __init__(self, model: Model, tokenizer, drafters: list[Drafter] | None = None,
                  num_paths: int = 0, draft_len: int = 4, tree_budget: int | None = None,
-                 max_kv_tokens: int | None = None, block_size: int = 16,
+                 max_kv_tokens: int | None = None, block_size: int | None = None,
                  eos_token_ids: list[int] | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.drafters = list(drafters or [])
@@ -52,6 +52,7 @@ class SpecDecoder:
         self.tree_budget = tree_budget or max(1, self.num_paths) * draft_len
         self.context_len = model.max_positions
         kv_tokens = max_kv_tokens or min(self.context_len, 8192)
+        block_size = block_size or model.block_size
         extra = (self.num_paths + 1) * (self.draft_len + 2 * block_size)
         self.pool = model.make_pool(num_blocks=-(-(kv_tokens + extra) // block_size) + 1,
                                     block_size=block_size)

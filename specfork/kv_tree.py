@@ -239,15 +239,20 @@ class KVTree:
     def slots(self, br: Branch, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Flat slot ids `[end - start]` of the branch's tokens (for gathers and writes)."""
         end = br.length if end is None else end
-        table = torch.tensor(self.block_table(br), dtype=torch.long)
+        table = self.block_table(br)
+        if self.bs == 1:                                 # a block is a slot
+            return torch.tensor(table[start:end], dtype=torch.long)
+        table = torch.tensor(table, dtype=torch.long)
         pos = torch.arange(start, end)
         return table[pos // self.bs] * self.bs + pos % self.bs
 
     def _slots(self, br: Branch, start: int, end: int) -> torch.Tensor:
-        first = br.base // self.bs
+        """Slots of positions [start, end) among `br`'s own blocks (only those are converted)."""
+        bs, first = self.bs, br.base // self.bs
+        lo = start // bs - first
+        own = torch.tensor(br.blocks[lo:-(-end // bs) - first], dtype=torch.long)
         pos = torch.arange(start, end)
-        own = torch.tensor(br.blocks, dtype=torch.long)
-        return own[pos // self.bs - first] * self.bs + pos % self.bs
+        return own[pos // bs - first - lo] * bs + pos % bs
 
     # -- internals ----------------------------------------------------------------------------
     def _check(self, br: Branch) -> None:

@@ -143,8 +143,16 @@ class Model:
                 gate_up=Linear(_fuse([m.gate_proj, m.up_proj], "weight"), pack=pack),
                 down=Linear(m.down_proj.weight, pack=pack)))
 
+    @property
+    def block_size(self) -> int:
+        """Default KV block size. The CPU path gathers K/V slot by slot, so one-token blocks cost
+        nothing there and waste nothing: no partial tail per branch, no copy-on-write (SGLang's
+        page size 1). The Triton kernel reads whole blocks, so GPU pools keep 16."""
+        return 1 if self.device.type == "cpu" else 16
+
     def make_pool(self, num_blocks: int | None = None, max_bytes: int | None = None,
-                  block_size: int = 16) -> BlockPool:
+                  block_size: int | None = None) -> BlockPool:
+        block_size = block_size or self.block_size
         return BlockPool(self.num_layers, self.kv_heads, self.head_dim, block_size=block_size,
                          num_blocks=num_blocks, max_bytes=max_bytes, dtype=self.dtype,
                          device=self.device)

@@ -109,9 +109,10 @@ class Session:
     """
 
     def __init__(self, model: Model, tokenizer=None, kv: KVTree | None = None,
-                 max_kv_tokens: int = 8192, block_size: int = 16,
+                 max_kv_tokens: int = 8192, block_size: int | None = None,
                  eos_token_ids: list[int] | None = None, full_copy: bool = False):
         self.model, self.tokenizer = model, tokenizer
+        block_size = block_size or model.block_size
         self.kv = kv or KVTree(model.make_pool(num_blocks=-(-max_kv_tokens // block_size),
                                                block_size=block_size))
         self.pool = self.kv.pool

@@ -56,7 +56,7 @@ def test_branches_equal_independent_runs_tiny(tiny):
     got = [s.generate(b, max_new_tokens=20) for b in branches]
     for g, t in zip(got, tails):
         assert g == dec.generate(prefix + t, max_new_tokens=20).token_ids
-    assert _shared_prefix_blocks(s, *branches) == 37 // 16
+    assert _shared_prefix_blocks(s, *branches) == 37 // dec.pool.block_size
     for b in branches:
         s.release(b)
     assert dec.pool.used_blocks == 0
@@ -73,10 +73,11 @@ def test_generate_many_is_one_forward_per_step(tiny):
     assert together == [s.generate(h, max_new_tokens=12) for h in alone]
 
 
-def test_full_copy_same_tokens_more_memory(tiny):
+@pytest.mark.parametrize("bs", [16, 1])
+def test_full_copy_same_tokens_more_memory(tiny, bs):
     out, peak = {}, {}
     for full in (False, True):
-        s = Session(tiny, eos_token_ids=[], max_kv_tokens=2048, full_copy=full)
+        s = Session(tiny, eos_token_ids=[], max_kv_tokens=2048, block_size=bs, full_copy=full)
         root = s.start(_ids(64, 6))
         s.logits(root)
         s.pool.reset_peak()
@@ -86,8 +87,12 @@ def test_full_copy_same_tokens_more_memory(tiny):
         assert len(s.fork_ns) == 4
     assert out[True] == out[False]
     bb = s.pool.block_bytes
-    assert peak[False] == (4 + 4) * bb               # root's 4 blocks + one tail block per kid
-    assert peak[True] == (4 + 4 * 5) * bb            # + a 5-block copy per kid
+    if bs == 16:
+        assert peak[False] == (4 + 4) * bb           # root's 4 blocks + one tail block per kid
+        assert peak[True] == (4 + 4 * 5) * bb        # + a 5-block copy per kid
+    else:                                            # each kid holds its token + 7 generated
+        assert peak[False] == (64 + 4 * 8) * bb
+        assert peak[True] == (64 + 4 * 72) * bb      # + a 72-token copy per kid
 
 
 def test_session_errors(tiny):
