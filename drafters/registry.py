@@ -23,7 +23,7 @@ def make_drafters(spec: str | None, target: str, model, drafts: int) -> list:
             from specfork.drafters.model_drafter import ModelDrafter
             out.append(ModelDrafter.load(arg, target_model=model))
         elif kind == "trained":
-            out.append(_trained(model))
+            out.append(trained_drafter(model))
         else:
             raise SpecforkError(f"unknown drafter '{kind}' (use ngram, trained or "
                                 "model:ID_OR_PATH)")
@@ -32,7 +32,7 @@ def make_drafters(spec: str | None, target: str, model, drafts: int) -> list:
     return out
 
 
-def _trained(model):
+def trained_drafter(model):
     """The shipped distilled draft of the embedded target; fp16 on CPU, where it is cheapest."""
     import torch
 

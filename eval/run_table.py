@@ -261,6 +261,7 @@ def peer(hf, probe: CacheProbe, draft_probe: CacheProbe | None = None, stream: b
 # -- setup ------------------------------------------------------------------------------------
 
 SELF = "self-draft"
+TRAINED = "trained draft"
 SELF_NOTE = "self-draft (the target drafts for itself: proves exactness, not speed)"
 
 
@@ -278,7 +279,7 @@ def load_draft(arg: str, target: str, hf):
             print(f"run_table: no trained draft ({why}); using the target as its own draft",
                   file=sys.stderr)
             return hf, SELF, SELF_NOTE
-        label = "trained draft"
+        label = TRAINED
     elif arg == "self" or os.path.realpath(resolve(arg)) == os.path.realpath(resolve(target)):
         return hf, SELF, SELF_NOTE
     else:
@@ -303,6 +304,7 @@ def build_rows(a, model, tok, draft_hf, draft_tag: str, longest: int) -> list[Ro
     from specfork.decoder import SpecDecoder
     from specfork.drafters.model_drafter import ModelDrafter
     from specfork.drafters.ngram import NgramDrafter
+    from specfork.drafters.registry import trained_drafter
     from specfork.model import Model
 
     hf = model.hf
@@ -317,7 +319,10 @@ def build_rows(a, model, tok, draft_hf, draft_tag: str, longest: int) -> list[Ro
     beam_dec = SpecDecoder(model, tok, max_kv_tokens=a.beams * (L + 32))
     spec1 = SpecDecoder(model, tok, [drafter], num_paths=1, draft_len=a.draft_len,
                         max_kv_tokens=room)
-    multi = SpecDecoder(model, tok, [drafter, NgramDrafter()], num_paths=a.paths,
+    # row 9 runs what `specfork generate --drafts N` runs: n-gram lookup first, then the draft
+    # (the trained one in the dtype the engine picks for it: fp16 on CPU)
+    engine_draft = trained_drafter(model) if draft_tag == TRAINED else drafter
+    multi = SpecDecoder(model, tok, [NgramDrafter(), engine_draft], num_paths=a.paths,
                         draft_len=a.draft_len, max_kv_tokens=room)
     assistant = alias(draft_hf)                   # own hooks and generation config
     probe, draft_probe = CacheProbe(hf), CacheProbe(assistant)
@@ -348,7 +353,7 @@ def build_rows(a, model, tok, draft_hf, draft_tag: str, longest: int) -> list[Ro
         Row("hf_lookup", "HF prompt lookup decoding (peer)", 1, True, wt,
             peer(hf, probe, stream=True, prompt_lookup_num_tokens=a.lookup_tokens), "greedy"),
         Row("multi", f"multi-draft speculative decoding, {a.paths} draft paths (ours)" + tag,
-            a.paths, False, wd, ours(multi), "greedy"),
+            a.paths, False, weight_bytes(hf, engine_draft.model.hf), ours(multi), "greedy"),
     ]
     assert [r.key for r in rows] == ROW_KEYS
     return [r for r in rows if r.key in a.rows]

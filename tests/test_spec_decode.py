@@ -50,13 +50,15 @@ def _two_token_law(hf, prompt, temperature, top_k=None):
     return (p1[:, None] * p2).flatten()                             # joint [V*V]
 
 
-@pytest.mark.parametrize("mix", ["model3", "model+ngram", "ngram"])
+@pytest.mark.parametrize("mix", ["model3", "model3-adaptive", "model+ngram", "ngram"])
 def test_sampled_output_has_target_distribution(mix):
     target = _tiny(0, 0.8)
     draft = _tiny(1, 0.8)                       # a different model: q != p
     prompt = [1, 2, 3, 1, 2]
     law = _two_token_law(target, prompt, temperature=0.9)
     drafters = {"model3": [ModelDrafter(Model(draft), "draft")],
+                # paths stop on their own draft probabilities: lengths vary, law must not
+                "model3-adaptive": [ModelDrafter(Model(draft), "draft", min_conf=0.3)],
                 "model+ngram": [ModelDrafter(Model(draft), "draft"), NgramDrafter()],
                 "ngram": [NgramDrafter(min_ngram=1)]}[mix]
     dec = SpecDecoder(Model(target), None, drafters, num_paths=3, draft_len=2,
@@ -70,6 +72,24 @@ def test_sampled_output_has_target_distribution(mix):
         assert r.stats["kv_blocks_leaked"] == 0
     assert gen_steps == 1200                   # the second token always came from a verify step
     assert chi2_pvalue(counts, law) > 0.01
+
+
+def test_model_drafter_stops_paths_on_draft_confidence():
+    """min_conf=0 drafts every path to full length; min_conf=1 (no token is that sure) keeps
+    one path of one token in greedy mode, but every sampled first draw (they must stay i.i.d.)."""
+    from specfork.drafters.base import SamplingParams
+    draft = Model(_tiny(1, 0.8))
+    ctx = [1, 2, 3, 1, 2]
+    lens = {}
+    for conf in (0.0, 1.0):
+        d = ModelDrafter(draft, "draft", min_conf=conf)
+        d.begin(ctx)
+        lens[conf] = [len(p.tokens) for p in d.propose(ctx, 3, 4, SamplingParams())]
+        sampled = d.propose(ctx, 3, 4, SamplingParams(0.9, generator=torch.Generator().manual_seed(0)))
+        assert len(sampled) == 3 and all(len(p.tokens) == (4 if conf == 0 else 1) for p in sampled)
+        d.end()
+        assert d.pool.used_blocks == 0
+    assert lens == {0.0: [4, 4, 4], 1.0: [1]}
 
 
 # -- the embedded model ----------------------------------------------------------------------
@@ -91,17 +111,21 @@ def hf_greedy(smol, mt_prompts, he_prompts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mix,paths", [("ngram", 3), ("self", 1), ("self+ngram", 3)])
+@pytest.mark.parametrize("mix,paths", [("ngram", 3), ("self", 1), ("self+ngram", 3),
+                                       ("default", 3)])
 def test_greedy_identical_to_hf_generate(smol, hf_greedy, mix, paths):
+    from specfork.drafters.registry import make_drafters
     hf, tok, model = smol
-    drafters = {"ngram": [NgramDrafter()], "self": [ModelDrafter(model, "self")],
-                "self+ngram": [ModelDrafter(model, "self"), NgramDrafter()]}[mix]
+    drafters = {"ngram": lambda: [NgramDrafter()], "self": lambda: [ModelDrafter(model, "self")],
+                "self+ngram": lambda: [ModelDrafter(model, "self"), NgramDrafter()],
+                # the shipped default: n-gram + trained draft (fp16, adaptive path lengths)
+                "default": lambda: make_drafters(None, "smollm2-135m", model, paths)}[mix]()
     dec = SpecDecoder(model, tok, drafters, num_paths=paths, draft_len=4)
     for ids, ref in hf_greedy:
         r = dec.generate(ids, max_new_tokens=64)
         assert r.token_ids == ref
         assert r.stats["kv_blocks_leaked"] == 0
-        assert r.stats["target_forwards"] < len(r.token_ids) or mix == "ngram"
+        assert r.stats["target_forwards"] < len(r.token_ids) or mix in ("ngram", "default")
     for d in drafters:
         if isinstance(d, ModelDrafter):
             assert d.pool.used_blocks == 0      # the drafter's own KV tree is freed too
