@@ -144,7 +144,9 @@ def main(argv=None) -> None:
         tau[name] = {k: round(statistics.mean(tau_from_matches(m, k) for m in m_eng), 3)
                      for k in KS}
         sub = rows[:args.tau_prompts]
-        drafters = {"trained": ModelDrafter(Model(draft_eng), name="trained", max_kv_tokens=1024),
+        # fixed chain lengths: min_conf=0 turns the engine's early path stop off
+        drafters = {"trained": ModelDrafter(Model(draft_eng), name="trained", max_kv_tokens=1024,
+                                            min_conf=0.0),
                     "ngram": NgramDrafter()}
         real[name] = {}
         for dname, drafter in drafters.items():
