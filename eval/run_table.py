@@ -508,8 +508,10 @@ def markdown(res: dict) -> str:
         f"{c['prompt_counts']} · {c['max_new_tokens']} new tokens · greedy · "
         f"medians over prompts{cut}",
         "",
-        f"Ours: draft paths of {c['draft_len']} tokens; row 9 splits {c['draft_paths']} paths "
-        f"between the model draft and n-gram lookup. HF assisted: {hf_assist}. HF prompt lookup: "
+        f"Ours: KV blocks of {c.get('kv_block_size', '?')} token(s); draft paths of up to "
+        f"{c['draft_len']} tokens, a model-draft path stopping once the draft's probability of it "
+        f"falls below {c.get('draft_min_conf', '?')}; row 9 splits {c['draft_paths']} paths "
+        f"between n-gram lookup and the model draft. HF assisted: {hf_assist}. HF prompt lookup: "
         f"prompt_lookup_num_tokens {c['hf_prompt_lookup_num_tokens']}.",
         "",
         "| # | strategy | branches | KV vs sequential | KV peak (MiB) | total peak memory (MiB) "
@@ -679,6 +681,7 @@ def _run(a, command: str, t_start: float, host: dict) -> int:
     draft_hf, draft_tag, draft_label = load_draft(a.draft, a.target, hf)
     prompts = load_prompt_set(a)
     from specfork.decoder import SpecDecoder
+    from specfork.drafters.model_drafter import MIN_CONF
     from specfork.model import Model
     model = Model(hf)
     enc = SpecDecoder(model, tok, max_kv_tokens=1)      # for encode(): template and checks
@@ -708,6 +711,7 @@ def _run(a, command: str, t_start: float, host: dict) -> int:
                    "prompt_ids": [p["id"] for p in prompts], "prompts_planned": planned,
                    "budget_min": a.budget_min, "beams": a.beams,
                    "draft_paths": a.paths, "draft_len": a.draft_len,
+                   "draft_min_conf": MIN_CONF, "kv_block_size": model.block_size,
                    "hf_prompt_lookup_num_tokens": a.lookup_tokens,
                    "hf_assistant": assistant_settings(draft_hf)},
     }
