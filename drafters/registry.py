@@ -9,7 +9,11 @@ from specfork.errors import SpecforkError
 DEFAULTS = {"smollm2-135m": "ngram,trained"}
 
 
-def make_drafters(spec: str | None, target: str, model, drafts: int) -> list:
+def make_drafters(spec: str | None, target: str, model, drafts: int,
+                  min_conf: float | None = None) -> list:
+    """`min_conf` (None: the model drafter's default) sets when model-draft paths stop."""
+    if min_conf is not None and not 0.0 <= min_conf <= 1.0:
+        raise SpecforkError(f"min_conf must be in [0, 1], got {min_conf}")
     spec = spec or DEFAULTS.get(target.lower(), "ngram")
     out = []
     for item in [s.strip() for s in spec.split(",") if s.strip()]:
@@ -29,6 +33,9 @@ def make_drafters(spec: str | None, target: str, model, drafts: int) -> list:
                                 "model:ID_OR_PATH)")
     if not out:
         raise SpecforkError(f"empty drafter spec '{spec}'")
+    for d in out:
+        if min_conf is not None and hasattr(d, "min_conf"):
+            d.min_conf = min_conf
     return out
 
 

@@ -136,7 +136,7 @@ def main(argv=None):
     ap.add_argument("--max-kv-tokens", type=int, default=24576)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--block-size", type=int, default=None,
-                    help="KV block size (default: the model's, 1 on CPU)")
+                    help="KV block size (default: one token)")
     ap.add_argument("--out", default="results/mcts.json")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)

@@ -322,6 +322,7 @@ def build_rows(a, model, tok, draft_hf, draft_tag: str, longest: int) -> list[Ro
     # row 9 runs what `specfork generate --drafts N` runs: n-gram lookup first, then the draft
     # (the trained one in the dtype the engine picks for it: fp16 on CPU)
     engine_draft = trained_drafter(model) if draft_tag == TRAINED else drafter
+    a.multi_draft_dtype = str(engine_draft.model.dtype).split(".")[-1]
     multi = SpecDecoder(model, tok, [NgramDrafter(), engine_draft], num_paths=a.paths,
                         draft_len=a.draft_len, max_kv_tokens=room)
     assistant = alias(draft_hf)                   # own hooks and generation config
@@ -503,6 +504,9 @@ def markdown(res: dict) -> str:
            f"have run past the {c['budget_min']:g}-minute budget)"
            if len(c["prompt_ids"]) < c["prompts_planned"] else "")
     hf_assist = ", ".join(f"{k} {v}" for k, v in c["hf_assistant"].items())
+    row9_dtype = (f" (run as the engine runs it: {c['multi_draft_dtype']}, its own copy of the "
+                  f"embeddings counted in its memory)"
+                  if c.get("multi_draft_dtype") not in (None, c["dtype"]) else "")
     lines = [
         f"Target `{c['target']}` ({c['dtype']}, {c['device']}) · draft: {c['draft']} · "
         f"{c['prompt_counts']} · {c['max_new_tokens']} new tokens · greedy · "
@@ -511,7 +515,8 @@ def markdown(res: dict) -> str:
         f"Ours: KV blocks of {c.get('kv_block_size', '?')} token(s); draft paths of up to "
         f"{c['draft_len']} tokens, a model-draft path stopping once the draft's probability of it "
         f"falls below {c.get('draft_min_conf', '?')}; row 9 splits {c['draft_paths']} paths "
-        f"between n-gram lookup and the model draft. HF assisted: {hf_assist}. HF prompt lookup: "
+        f"between n-gram lookup and the model draft{row9_dtype}. HF assisted: {hf_assist}. "
+        f"HF prompt lookup: "
         f"prompt_lookup_num_tokens {c['hf_prompt_lookup_num_tokens']}.",
         "",
         "| # | strategy | branches | KV vs sequential | KV peak (MiB) | total peak memory (MiB) "
@@ -712,6 +717,7 @@ def _run(a, command: str, t_start: float, host: dict) -> int:
                    "budget_min": a.budget_min, "beams": a.beams,
                    "draft_paths": a.paths, "draft_len": a.draft_len,
                    "draft_min_conf": MIN_CONF, "kv_block_size": model.block_size,
+                   "multi_draft_dtype": getattr(a, "multi_draft_dtype", None),
                    "hf_prompt_lookup_num_tokens": a.lookup_tokens,
                    "hf_assistant": assistant_settings(draft_hf)},
     }

@@ -25,7 +25,10 @@ def _args(argv):
     g.add_argument("--drafter", default=None,
                    help="drafter mix, comma separated: ngram, trained, model:ID_OR_PATH "
                         "(default: the target's default draft)")
-    g.add_argument("--draft-len", type=int, default=4, help="tokens per draft path")
+    g.add_argument("--draft-len", type=int, default=4, help="most tokens per draft path")
+    g.add_argument("--min-conf", type=float, default=None,
+                   help="a model-draft path stops once the draft's probability of it falls "
+                        "below this (default 0.3; 0 drafts every path to --draft-len)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file holding the prompt ('-' for stdin)")
@@ -62,11 +65,14 @@ def generate(a) -> int:
         raise SpecforkError(f"--draft-len must be positive, got {a.draft_len}")
     if a.beams < 0:
         raise SpecforkError(f"--beams must be >= 0, got {a.beams}")
+    if a.min_conf is not None and not 0.0 <= a.min_conf <= 1.0:
+        raise SpecforkError(f"--min-conf must be in [0, 1], got {a.min_conf}")
     check_sampling(a.max_new_tokens, a.temperature, a.top_p, a.top_k)
     prompt = _prompt(a)
     dtype = getattr(torch, a.dtype) if a.dtype else None
     dec = SpecDecoder.from_pretrained(target=a.target, drafts=a.drafts, drafter=a.drafter,
-                                      draft_len=a.draft_len, dtype=dtype, device=a.device)
+                                      draft_len=a.draft_len, dtype=dtype, device=a.device,
+                                      min_conf=a.min_conf)
     tok = dec.tokenizer
     if a.beams:
         from specfork.search import beam_search

@@ -58,6 +58,9 @@ class SpecDecoder:
                                     block_size=block_size)
         self.kv = KVTree(self.pool)
         self.max_kv_tokens = kv_tokens
+        # Verify through the paged Triton kernel on GPU: it reads the committed prefix in place
+        # through the block table instead of gathering it first.
+        self.use_kernel = model.device.type == "cuda"
         eos = model.hf.generation_config.eos_token_id if eos_token_ids is None else eos_token_ids
         if eos is None and tokenizer is not None:
             eos = tokenizer.eos_token_id
@@ -67,12 +70,12 @@ class SpecDecoder:
     def from_pretrained(cls, target: str = "smollm2-135m", drafts: int = 0,
                         drafter: str | None = None, draft_len: int = 4,
                         dtype: torch.dtype | None = None, device: str | None = None,
-                        **kw) -> "SpecDecoder":
+                        min_conf: float | None = None, **kw) -> "SpecDecoder":
         from specfork.drafters.registry import make_drafters
         from specfork.models import load_hf
         hf, tok = load_hf(target, dtype=dtype, device=device)
         model = Model(hf)
-        drafters = make_drafters(drafter, target, model, drafts) if drafts > 0 else []
+        drafters = make_drafters(drafter, target, model, drafts, min_conf) if drafts > 0 else []
         return cls(model, tok, drafters, num_paths=drafts, draft_len=draft_len, **kw)
 
     # -- input ----------------------------------------------------------------------------------
@@ -194,10 +197,13 @@ class SpecDecoder:
         write_slots = torch.cat([kv.append(f, len(p)) for f, p in zip(forks, leaves)]).to(dev)
         write_src = torch.tensor([i for p in leaves for i in p], device=dev)
         prefix = kv.slots(B).to(dev)
+        table = (torch.tensor(kv.block_table(B), dtype=torch.int32, device=dev)
+                 if self.use_kernel else None)
         T = len(tree.tokens)
         logits = m.forward(tree.tokens.to(dev), tree.positions(n).to(dev), self.pool, prefix,
                            write_slots, write_src,
-                           tree_mask=tree.ancestor_mask().to(dev) if T > 1 else None)
+                           tree_mask=tree.ancestor_mask().to(dev) if T > 1 else None,
+                           block_table=table)
         if sp.greedy:
             path, nxt = verify_greedy(tree, logits)
         else:

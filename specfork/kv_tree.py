@@ -239,6 +239,8 @@ class KVTree:
     def slots(self, br: Branch, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Flat slot ids `[end - start]` of the branch's tokens (for gathers and writes)."""
         end = br.length if end is None else end
+        if not 0 <= start <= end <= br.length:
+            raise ValueError(f"slots [{start}, {end}) outside branch of length {br.length}")
         table = self.block_table(br)
         if self.bs == 1:                                 # a block is a slot
             return torch.tensor(table[start:end], dtype=torch.long)

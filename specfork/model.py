@@ -99,6 +99,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 class Model:
     """Plain-tensor forward of a causal LM whose K/V live in a `BlockPool`."""
 
+    # Default KV block size: one token. Attention reads K/V slot by slot (the CPU gathers and
+    # the Triton kernel's block-table loads alike), so larger blocks would buy nothing and cost
+    # a partial tail block per branch plus copy-on-write copies (SGLang's page size 1).
+    block_size = 1
+
     def __init__(self, hf, pack: bool | None = None):
         """`pack`: keep oneDNN-packed copies of the weights for few-row matmuls (None: on CPU
         in fp32, or bf16 where the CPU has bf16 GEMMs, when the copies take at most 4 GiB)."""
@@ -142,13 +147,6 @@ class Model:
                 ln2=blk.post_attention_layernorm.weight,
                 gate_up=Linear(_fuse([m.gate_proj, m.up_proj], "weight"), pack=pack),
                 down=Linear(m.down_proj.weight, pack=pack)))
-
-    @property
-    def block_size(self) -> int:
-        """Default KV block size. The CPU path gathers K/V slot by slot, so one-token blocks cost
-        nothing there and waste nothing: no partial tail per branch, no copy-on-write (SGLang's
-        page size 1). The Triton kernel reads whole blocks, so GPU pools keep 16."""
-        return 1 if self.device.type == "cpu" else 16
 
     def make_pool(self, num_blocks: int | None = None, max_bytes: int | None = None,
                   block_size: int | None = None) -> BlockPool:

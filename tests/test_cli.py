@@ -30,6 +30,7 @@ def run(*args, timeout=120, stdin=None):
     (["--prompt", "hi", "--max-new-tokens", "ten"], "invalid int value"),
     ([], "one of the arguments --prompt --prompt-file is required"),
     (["--prompt", "hi", "--drafts", "2", "--drafter", "bogus"], "unknown drafter 'bogus'"),
+    (["--prompt", "hi", "--drafts", "2", "--min-conf", "1.5"], "--min-conf must be in [0, 1]"),
 ])
 def test_bad_input_one_line_error(args, needle):
     p, dt = run("generate", *args)

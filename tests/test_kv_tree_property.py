@@ -6,6 +6,7 @@ live tree, and the free list must hold exactly the unreferenced blocks. The mode
 for every pair of handles, how many leading tokens they share by lineage; that is what decides
 which truncates must fail and which suffixes a handle may rewrite in place.
 """
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -249,7 +250,10 @@ class KVTreeMachine(RuleBasedStateMachine):
         assert self.pool.refcount == [0] * NUM_BLOCKS and len(set(self.pool.free)) == NUM_BLOCKS
 
 
-def test_kv_tree_state_machine():
+@pytest.mark.parametrize("bs,num_blocks", [(4, 16), (1, 64)])    # 64 tokens either way
+def test_kv_tree_state_machine(monkeypatch, bs, num_blocks):
+    monkeypatch.setitem(globals(), "BS", bs)
+    monkeypatch.setitem(globals(), "NUM_BLOCKS", num_blocks)
     KVTreeMachine.ops = 0
     run_state_machine_as_test(KVTreeMachine, settings=settings(
         max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,

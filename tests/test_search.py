@@ -195,7 +195,7 @@ def test_embedded_matches_hf_beam_search(smol, fork_run, pi, W):
 
 @pytest.mark.slow
 def test_embedded_memory_vs_greedy_and_naive(smol_dec, fork_run):
-    """Peak KV bytes, prefill included, W=4, 64 tokens, at the CPU default of one-token blocks:
+    """Peak KV bytes, prefill included, W=4, 64 tokens, at the default one-token blocks:
     fork search holds the prompt once plus the distinct tokens of its live beams, within the
     1.15x-of-greedy goal on this prompt; naive beams hold W whole caches. Ratios over more
     prompts and at 16-token blocks: results/beam_memory.json."""

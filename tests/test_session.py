@@ -31,7 +31,7 @@ def _shared_prefix_blocks(s: Session, a, b) -> int:
 
 
 def test_fork_is_metadata_and_release_frees(tiny):
-    s = Session(tiny, eos_token_ids=[], max_kv_tokens=1024)
+    s = Session(tiny, eos_token_ids=[], max_kv_tokens=1024, block_size=16)
     root = s.start(_ids(40, 1))
     s.logits(root)                                   # prefill: 3 blocks (40 tokens)
     used = s.pool.used_blocks

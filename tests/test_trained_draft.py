@@ -5,6 +5,7 @@ import torch
 
 from specfork.drafters.trained_draft import (WEIGHTS, DraftTargetMismatch, DraftWeightsMissing,
                                              load_trained_draft)
+from specfork.errors import SpecforkError
 
 
 def test_shipped_files_small():
@@ -80,4 +81,9 @@ def test_greedy_acceptance_and_engine_use(smol, mt_prompts, he_prompts):
 def test_default_mix_of_the_embedded_target_uses_the_trained_draft(smol):
     from specfork.drafters.registry import make_drafters
     _, _, model = smol
-    assert [d.name for d in make_drafters(None, "smollm2-135m", model, 3)] == ["ngram", "trained"]
+    ds = make_drafters(None, "smollm2-135m", model, 3)
+    assert [d.name for d in ds] == ["ngram", "trained"]
+    assert ds[1].min_conf == 0.3                   # default: paths stop on draft confidence
+    assert make_drafters(None, "smollm2-135m", model, 3, min_conf=0.0)[1].min_conf == 0.0
+    with pytest.raises(SpecforkError):
+        make_drafters(None, "smollm2-135m", model, 3, min_conf=-0.1)

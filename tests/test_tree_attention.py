@@ -207,3 +207,37 @@ def test_random_trees(case, num_splits):
     ref = expected(c, parents)
     check(run_triton(c, num_splits), ref, dtype)
     check(run_torch(c), ref, dtype)
+
+
+@pytest.mark.parametrize("bs", [1, 16])
+def test_engine_verifies_through_the_paged_kernel(monkeypatch, bs):
+    """SpecDecoder's verify step as it runs on GPU (`use_kernel`): the Triton kernel, here
+    under the interpreter, reads the committed prefix in place through the block table; the
+    tokens equal plain greedy decoding, with one-token pages and with 16-token pages."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import specfork.model as sm
+    from specfork.decoder import SpecDecoder
+    from specfork.drafters.ngram import NgramDrafter
+    calls = []
+
+    def kernel(q, k_cache, v_cache, block_table, prefix_len, k, v, mask, scale):
+        calls.append(prefix_len)
+        return tta.tree_attention_triton(q, k_cache, v_cache, block_table, prefix_len, k, v,
+                                         mask, scale)
+
+    monkeypatch.setattr(sm, "tree_attention", kernel)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      initializer_range=0.3)
+    model = sm.Model(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval())
+    prompt = [5, 6, 7, 8, 9] * 4 + [5, 6]              # repeats: n-gram lookup has paths
+    plain = SpecDecoder(model, None, eos_token_ids=[], max_kv_tokens=96, block_size=bs)
+    spec = SpecDecoder(model, None, [NgramDrafter()], num_paths=2, draft_len=3,
+                       eos_token_ids=[], max_kv_tokens=96, block_size=bs)
+    spec.use_kernel = True
+    out = spec.generate(prompt, max_new_tokens=16)
+    assert out.token_ids == plain.generate(prompt, max_new_tokens=16).token_ids
+    assert len(calls) == 2 * out.stats["spec_steps"]           # every layer of every verify
+    assert out.stats["kv_blocks_leaked"] == 0
