@@ -22,10 +22,16 @@ from specfork.sampling import probs_from_logits
 MIN_CONF = 0.3
 
 
+def check_min_conf(min_conf: float) -> None:
+    if not 0.0 <= min_conf <= 1.0:
+        raise SpecforkError(f"min_conf must be in [0, 1], got {min_conf}")
+
+
 class ModelDrafter:
     def __init__(self, model: Model, name: str = "model", max_kv_tokens: int = 8192,
                  max_paths: int = 8, max_len: int = 16, block_size: int | None = None,
                  min_conf: float = MIN_CONF):
+        check_min_conf(min_conf)
         self.model, self.name = model, name
         self.min_conf = min_conf
         block_size = block_size or model.block_size
@@ -37,7 +43,8 @@ class ModelDrafter:
         self.fork_tokens: list[list[int]] = []
 
     @classmethod
-    def load(cls, name: str, target_model: Model | None = None) -> "ModelDrafter":
+    def load(cls, name: str, target_model: Model | None = None,
+             min_conf: float = MIN_CONF) -> "ModelDrafter":
         from specfork.models import load_hf, resolve
         if target_model is not None and resolve(name) == getattr(target_model.hf, "name_or_path",
                                                                  None):
@@ -49,7 +56,7 @@ class ModelDrafter:
         if target_model is not None and model.vocab_size != target_model.vocab_size:
             raise SpecforkError(f"draft '{name}' has vocabulary {model.vocab_size}, the target "
                                 f"{target_model.vocab_size}: a draft must share the tokenizer")
-        return cls(model, name=f"model:{name}")
+        return cls(model, name=f"model:{name}", min_conf=min_conf)
 
     # -- protocol -------------------------------------------------------------------------------
     def begin(self, prompt_ids: list[int]) -> None:

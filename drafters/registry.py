@@ -12,8 +12,9 @@ DEFAULTS = {"smollm2-135m": "ngram,trained"}
 def make_drafters(spec: str | None, target: str, model, drafts: int,
                   min_conf: float | None = None) -> list:
     """`min_conf` (None: the model drafter's default) sets when model-draft paths stop."""
-    if min_conf is not None and not 0.0 <= min_conf <= 1.0:
-        raise SpecforkError(f"min_conf must be in [0, 1], got {min_conf}")
+    from specfork.drafters.model_drafter import MIN_CONF, check_min_conf
+    min_conf = MIN_CONF if min_conf is None else min_conf
+    check_min_conf(min_conf)
     spec = spec or DEFAULTS.get(target.lower(), "ngram")
     out = []
     for item in [s.strip() for s in spec.split(",") if s.strip()]:
@@ -25,26 +26,24 @@ def make_drafters(spec: str | None, target: str, model, drafts: int,
             if not arg:
                 raise SpecforkError("drafter 'model' needs a model: model:ID_OR_PATH")
             from specfork.drafters.model_drafter import ModelDrafter
-            out.append(ModelDrafter.load(arg, target_model=model))
+            out.append(ModelDrafter.load(arg, target_model=model, min_conf=min_conf))
         elif kind == "trained":
-            out.append(trained_drafter(model))
+            out.append(trained_drafter(model, min_conf))
         else:
             raise SpecforkError(f"unknown drafter '{kind}' (use ngram, trained or "
                                 "model:ID_OR_PATH)")
     if not out:
         raise SpecforkError(f"empty drafter spec '{spec}'")
-    for d in out:
-        if min_conf is not None and hasattr(d, "min_conf"):
-            d.min_conf = min_conf
     return out
 
 
-def trained_drafter(model):
+def trained_drafter(model, min_conf: float | None = None):
     """The shipped distilled draft of the embedded target; fp16 on CPU, where it is cheapest."""
     import torch
 
-    from specfork.drafters.model_drafter import ModelDrafter
+    from specfork.drafters.model_drafter import MIN_CONF, ModelDrafter
     from specfork.drafters.trained_draft import load_trained_draft
     from specfork.model import Model
     dt = torch.float16 if model.device.type == "cpu" else model.dtype
-    return ModelDrafter(Model(load_trained_draft(model.hf, dtype=dt)), name="trained")
+    return ModelDrafter(Model(load_trained_draft(model.hf, dtype=dt)), name="trained",
+                        min_conf=MIN_CONF if min_conf is None else min_conf)

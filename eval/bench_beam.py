@@ -4,7 +4,7 @@ and HF parity on MT-bench prompts. Everything reported is measured from the pool
     python eval/bench_beam.py --prompts 6 --widths 2,4 --out results/beam_memory.json
 
 Memory: `pool.peak_bytes` over the whole request (prefill included), greedy from
-`SpecDecoder.generate`, at the default block size (one token on CPU: the peak is the number of
+`SpecDecoder.generate`, at the default block size (one token: the peak is the number of
 distinct tokens the live beams hold, the floor for any exact beam search) and again at 16-token
 blocks (greedy and beams alike), where every beam also pays its partial tail block.
 Speed: greedy and beam runs interleaved, median over repetitions, wall clock and process CPU
