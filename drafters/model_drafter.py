@@ -5,6 +5,12 @@ and all paths extend in one batched forward per draft position (each query sees 
 fork). A path stops growing once the draft itself is unsure of it (`min_conf`), so a weak draft
 spends neither draft forwards nor verification rows on tokens that would almost surely be rejected.
 After verification the fork holding the accepted tokens is adopted into C, the rest freed.
+
+With `vocab` (token ids, e.g. the target's most frequent outputs) the draft's output layer keeps
+only those rows plus every token of the request's context (FR-Spec's frequency-ranked head): a
+small draft spends most of a step in its vocabulary-wide lm_head, and the target seldom emits a
+token outside that set. The draft distribution q is then zero outside the set, still a valid
+proposal for lossless speculative sampling.
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import torch
 from specfork.drafters.base import DraftPath, SamplingParams
 from specfork.errors import SpecforkError
 from specfork.kv_tree import KVTree
-from specfork.model import Model, causal_mask
+from specfork.model import Linear, Model, causal_mask
 from specfork.sampling import probs_from_logits
 
 # A path stops after the token that takes its draft probability (the product over its tokens)
@@ -30,10 +36,18 @@ def check_min_conf(min_conf: float) -> None:
 class ModelDrafter:
     def __init__(self, model: Model, name: str = "model", max_kv_tokens: int = 8192,
                  max_paths: int = 8, max_len: int = 16, block_size: int | None = None,
-                 min_conf: float = MIN_CONF):
+                 min_conf: float = MIN_CONF, vocab: torch.Tensor | None = None):
         check_min_conf(min_conf)
         self.model, self.name = model, name
         self.min_conf = min_conf
+        if vocab is not None:
+            vocab = torch.as_tensor(vocab, dtype=torch.long).flatten()
+            if vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= model.vocab_size:
+                raise SpecforkError(f"draft vocab must be non-empty ids in [0, {model.vocab_size})")
+        self.vocab = vocab                   # static head rows; None: the whole vocabulary
+        self.head: Linear | None = None      # lm_head rows of head_ids (this request)
+        self.head_ids: torch.Tensor | None = None
+        self.in_head: torch.Tensor | None = None   # [V] bool: which ids the head has
         block_size = block_size or model.block_size
         blocks = -(-max_kv_tokens // block_size) + max_paths * (-(-max_len // block_size) + 2)
         self.pool = model.make_pool(num_blocks=blocks, block_size=block_size)
@@ -62,17 +76,25 @@ class ModelDrafter:
     def begin(self, prompt_ids: list[int]) -> None:
         self.end()
         self.C = self.kv.new_branch()
+        if self.vocab is not None:
+            self.in_head = torch.zeros(self.model.vocab_size, dtype=torch.bool)
+            self.in_head[self.vocab] = True
+            self.head_ids = self.vocab
+            self._extend_head(prompt_ids)
 
     def end(self) -> None:
         self._drop_forks()
         if self.C is not None:
             self.kv.release(self.C)
             self.C = None
+        self.head = self.head_ids = self.in_head = None
 
     def observe(self, context: list[int]) -> None:
         """Adopt the fork that holds the longest accepted prefix; free the others."""
         n = self.C.length
         new = context[n:]
+        if self.in_head is not None:
+            self._extend_head(new)
         best, best_j = None, 0
         for f, toks in zip(self.forks, self.fork_tokens):
             j = 0
@@ -108,7 +130,7 @@ class ModelDrafter:
         slots = kv.append(self.C, len(feed)).to(dev)
         logits = m.forward(feed, torch.arange(n, len(context), device=dev), self.pool, prefix,
                            slots, tree_mask=causal_mask(len(feed), dev),
-                           logits_idx=slice(len(feed) - 1, len(feed)))[0]
+                           logits_idx=slice(len(feed) - 1, len(feed)), head=self.head)[0]
         first, q0, conf = self._choose(logits, max(1, num_paths), sp)
         # Greedy: any pruning is exact. Sampling: the first draws must stay i.i.d. from q for
         # the verifier's residual updates, so none is dropped for its value; a path's length
@@ -133,7 +155,7 @@ class ModelDrafter:
             pos = torch.full((len(live),), base + step - 1, device=dev)
             if len(live) == 1:                                # one path: a plain decode step
                 lg = m.forward(last, pos, self.pool, torch.cat([committed, own[live[0]]]),
-                               write[0])
+                               write[0], head=self.head)
             else:                                             # each query sees C + its fork
                 mine = [own[i] for i in live]
                 prefix_slots = torch.cat([committed] + mine)
@@ -145,7 +167,7 @@ class ModelDrafter:
                     mask[j, col:col + o.numel()] = True
                     col += o.numel()
                 lg = m.forward(last, pos, self.pool, prefix_slots, torch.cat(write),
-                               prefix_mask=mask)
+                               prefix_mask=mask, head=self.head)
             for j, i in enumerate(live):
                 own[i] = torch.cat([own[i], write[j]])
                 (t,), q, (c,) = self._choose(lg[j], 1, sp)
@@ -157,15 +179,36 @@ class ModelDrafter:
                 for t, q in zip(toks, qs)]
 
     # -- helpers --------------------------------------------------------------------------------
+    def _extend_head(self, tokens: list[int]) -> None:
+        """Give the head a row for every token of the context it lacks (copying a name or an
+        identifier from the prompt is what a draft predicts best); rare after the prompt."""
+        ids = torch.tensor(tokens, dtype=torch.long)
+        new = ids[~self.in_head[ids]].unique()
+        if self.head is not None and new.numel() == 0:
+            return
+        self.in_head[new] = True
+        self.head_ids = torch.cat([self.head_ids, new])
+        lm = self.model.lm_head
+        self.head = Linear(lm.w.index_select(0, self.head_ids.to(lm.w.device)),
+                           None if lm.b is None else lm.b[self.head_ids.to(lm.w.device)],
+                           pack=self.model.pack)
+
     def _choose(self, logits: torch.Tensor, k: int, sp: SamplingParams):
         """(tokens, q, their draft probabilities). Greedy: top-k of the plain softmax,
-        deterministic (q=None). Sampling: k i.i.d. draws from the warped q (returned)."""
+        deterministic (q=None). Sampling: k i.i.d. draws from the warped q (returned, `[V]`).
+        With a vocabulary head, `logits` cover `head_ids` only."""
+        ids = self.head_ids
         if sp.greedy:
-            p, idx = logits.float().softmax(-1).topk(k)
-            return idx.tolist(), None, p.tolist()
+            p, idx = logits.float().softmax(-1).topk(min(k, logits.shape[-1]))
+            idx = idx.cpu()
+            return (idx if ids is None else ids[idx]).tolist(), None, p.tolist()
         q = probs_from_logits(logits.float(), sp.temperature, sp.top_k, sp.top_p).cpu()
         draws = torch.multinomial(q, k, replacement=True, generator=sp.generator)
-        return draws.tolist(), q, q[draws].tolist()
+        p = q[draws].tolist()
+        if ids is not None:
+            draws = ids[draws]
+            q = torch.zeros(self.model.vocab_size).index_copy_(0, ids, q)
+        return draws.tolist(), q, p
 
     def _drop_forks(self) -> None:
         for f in self.forks:

@@ -10,8 +10,9 @@ DEFAULTS = {"smollm2-135m": "ngram,trained"}
 
 
 def make_drafters(spec: str | None, target: str, model, drafts: int,
-                  min_conf: float | None = None) -> list:
-    """`min_conf` (None: the model drafter's default) sets when model-draft paths stop."""
+                  min_conf: float | None = None, draft_vocab: int | None = None) -> list:
+    """`min_conf` (None: the model drafter's default) sets when model-draft paths stop;
+    `draft_vocab` how many output rows the trained draft keeps (None: its default, 0: all)."""
     from specfork.drafters.model_drafter import MIN_CONF, check_min_conf
     min_conf = MIN_CONF if min_conf is None else min_conf
     check_min_conf(min_conf)
@@ -28,7 +29,7 @@ def make_drafters(spec: str | None, target: str, model, drafts: int,
             from specfork.drafters.model_drafter import ModelDrafter
             out.append(ModelDrafter.load(arg, target_model=model, min_conf=min_conf))
         elif kind == "trained":
-            out.append(trained_drafter(model, min_conf))
+            out.append(trained_drafter(model, min_conf, draft_vocab))
         else:
             raise SpecforkError(f"unknown drafter '{kind}' (use ngram, trained or "
                                 "model:ID_OR_PATH)")
@@ -37,13 +38,19 @@ def make_drafters(spec: str | None, target: str, model, drafts: int,
     return out
 
 
-def trained_drafter(model, min_conf: float | None = None):
-    """The shipped distilled draft of the embedded target; fp16 on CPU, where it is cheapest."""
+def trained_drafter(model, min_conf: float | None = None, draft_vocab: int | None = None):
+    """The shipped distilled draft of the embedded target; fp16 on CPU, where it is cheapest;
+    its output layer keeps the `draft_vocab` (None: DRAFT_VOCAB; 0: every) most frequent
+    target tokens plus the request's own."""
     import torch
 
     from specfork.drafters.model_drafter import MIN_CONF, ModelDrafter
-    from specfork.drafters.trained_draft import load_trained_draft
+    from specfork.drafters.trained_draft import DRAFT_VOCAB, load_trained_draft, load_vocab
     from specfork.model import Model
+    if draft_vocab is not None and draft_vocab < 0:
+        raise SpecforkError(f"draft vocabulary size must be >= 0, got {draft_vocab}")
+    k = DRAFT_VOCAB if draft_vocab is None else draft_vocab
     dt = torch.float16 if model.device.type == "cpu" else model.dtype
     return ModelDrafter(Model(load_trained_draft(model.hf, dtype=dt)), name="trained",
-                        min_conf=MIN_CONF if min_conf is None else min_conf)
+                        min_conf=MIN_CONF if min_conf is None else min_conf,
+                        vocab=load_vocab(k) if k else None)

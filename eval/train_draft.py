@@ -4,6 +4,7 @@
     python eval/train_draft.py train    # 5 epochs -> drafters/weights/
     python eval/train_draft.py all      # both: the shipped draft (~45 + ~35 min on one core)
     python eval/train_draft.py gen --resume --seqs 2880    # longer: more of the 2883 prompts
+    python eval/train_draft.py vocab    # rank the target's output tokens -> weights/vocab.json
 
 The draft is an ordinary LlamaForCausalLM with the target's width and `--init-layers` decoder
 layers copied from the target (default its first three: with the last one, 0,29, it starts at 0%
@@ -484,9 +485,36 @@ def train(args) -> None:
     print(json.dumps(info["held_out_agreement"]), file=sys.stderr)
 
 
+# -- stage 3: the draft's vocabulary head -------------------------------------------------------
+
+def rank_vocab(args) -> None:
+    """Every token id, ranked by how often the target emitted it in --data; ties and unseen ids
+    by id (the tokenizer's merge order, a frequency order of its own corpus).
+    `ModelDrafter(vocab=...)` keeps the first K as the draft's output rows."""
+    blob = torch.load(args.data)
+    rows = blob["rows"]
+    V = max(int(r["ids"].max()) for r in rows) + 1
+    from specfork.models import load_tokenizer
+    V = max(V, len(load_tokenizer("smollm2-135m")))
+    counts = torch.zeros(V, dtype=torch.long)
+    for r in rows:
+        counts += torch.bincount(r["ids"][r["start"]:].long(), minlength=V)
+    order = torch.argsort(-counts, stable=True)                   # ties: ascending id
+    total, seen = int(counts.sum()), int((counts > 0).sum())
+    cover = counts[order].cumsum(0).double() / total
+    info = {"source": f"target outputs in {args.data.name}: {len(rows)} sequences, "
+                      f"{total} tokens (seed {blob['seed']})",
+            "command": "python " + " ".join(sys.argv),
+            "ids_seen": seen,
+            "coverage": {str(k): round(float(cover[k - 1]), 4) for k in (1024, 2048, 4096)},
+            "ids": order.tolist(), "counts": counts[order[:seen]].tolist()}
+    (args.out / "vocab.json").write_text(json.dumps(info) + "\n")
+    print(json.dumps(info["coverage"]), seen, "ids seen", file=sys.stderr)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("stage", choices=["gen", "train", "all"])
+    p.add_argument("stage", choices=["gen", "train", "vocab", "all"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", type=Path, default=DATA, help="stage-1 output / stage-2 input")
     p.add_argument("--out", type=Path, default=WEIGHTS)
@@ -527,6 +555,8 @@ def main(argv=None) -> None:
     if args.stage in ("train", "all"):
         args.minutes = args.train_minutes
         train(args)
+    if args.stage in ("vocab", "all"):
+        rank_vocab(args)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ are in neither MT-bench nor HumanEval, so the reported sets stay untouched by tu
                                  '{"mix":"ngram,trained","paths":3,"len":4,"conf":0}'
 
 Each config is a JSON object: mix (drafters, in order), paths, len, conf (the trained draft's
-min_conf), optionally ngmin (n-gram drafter's shortest match). Greedy and every config run
+min_conf), optionally ngmin (n-gram drafter's shortest match) and vocab (the trained draft's
+output rows: the target's N most frequent tokens plus the request's; 0 or absent: all) and
+dtype (the trained draft's: float16, the default, or bfloat16). Greedy and every config run
 interleaved per prompt, twice, so machine noise hits all alike; prints tokens/s, the ratio to
 our greedy decoding measured in the same loop, τ, and whether the tokens equal greedy's.
 """
@@ -43,18 +45,20 @@ def main(argv=None):
     from specfork.decoder import SpecDecoder
     from specfork.drafters.model_drafter import ModelDrafter
     from specfork.drafters.ngram import NgramDrafter
-    from specfork.drafters.trained_draft import load_trained_draft
+    from specfork.drafters.trained_draft import load_trained_draft, load_vocab
     from specfork.model import Model
     from specfork.models import load_hf
 
     hf, tok = load_hf("smollm2-135m", dtype=torch.float32, device="cpu")
     model = Model(hf)
-    draft = Model(load_trained_draft(hf, dtype=torch.float16))
     cfgs = [json.loads(c) for c in a.configs]
+    drafts = {dt: Model(load_trained_draft(hf, dtype=getattr(torch, dt)))
+              for dt in {c.get("dtype", "float16") for c in cfgs}}
 
     def make(c):
         ds = [NgramDrafter(min_ngram=c.get("ngmin", 1)) if k == "ngram" else
-              ModelDrafter(draft, name="trained", min_conf=c["conf"])
+              ModelDrafter(drafts[c.get("dtype", "float16")], name="trained", min_conf=c["conf"],
+                           vocab=load_vocab(c["vocab"]) if c.get("vocab") else None)
               for k in c["mix"].split(",")]
         return SpecDecoder(model, tok, ds, num_paths=c["paths"], draft_len=c["len"])
 

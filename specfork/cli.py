@@ -29,6 +29,9 @@ def _args(argv):
     g.add_argument("--min-conf", type=float, default=None,
                    help="a model-draft path stops once the draft's probability of it falls "
                         "below this (default 0.3; 0 drafts every path to --draft-len)")
+    g.add_argument("--draft-vocab", type=int, default=None,
+                   help="output rows the trained draft keeps: the target's N most frequent "
+                        "tokens plus the prompt's (default 4096; 0: the whole vocabulary)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file holding the prompt ('-' for stdin)")
@@ -67,12 +70,14 @@ def generate(a) -> int:
         raise SpecforkError(f"--beams must be >= 0, got {a.beams}")
     if a.min_conf is not None and not 0.0 <= a.min_conf <= 1.0:
         raise SpecforkError(f"--min-conf must be in [0, 1], got {a.min_conf}")
+    if a.draft_vocab is not None and a.draft_vocab < 0:
+        raise SpecforkError(f"--draft-vocab must be >= 0, got {a.draft_vocab}")
     check_sampling(a.max_new_tokens, a.temperature, a.top_p, a.top_k)
     prompt = _prompt(a)
     dtype = getattr(torch, a.dtype) if a.dtype else None
     dec = SpecDecoder.from_pretrained(target=a.target, drafts=a.drafts, drafter=a.drafter,
                                       draft_len=a.draft_len, dtype=dtype, device=a.device,
-                                      min_conf=a.min_conf)
+                                      min_conf=a.min_conf, draft_vocab=a.draft_vocab)
     tok = dec.tokenizer
     if a.beams:
         from specfork.search import beam_search

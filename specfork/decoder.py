@@ -70,12 +70,14 @@ class SpecDecoder:
     def from_pretrained(cls, target: str = "smollm2-135m", drafts: int = 0,
                         drafter: str | None = None, draft_len: int = 4,
                         dtype: torch.dtype | None = None, device: str | None = None,
-                        min_conf: float | None = None, **kw) -> "SpecDecoder":
+                        min_conf: float | None = None, draft_vocab: int | None = None,
+                        **kw) -> "SpecDecoder":
         from specfork.drafters.registry import make_drafters
         from specfork.models import load_hf
         hf, tok = load_hf(target, dtype=dtype, device=device)
         model = Model(hf)
-        drafters = make_drafters(drafter, target, model, drafts, min_conf) if drafts > 0 else []
+        drafters = (make_drafters(drafter, target, model, drafts, min_conf, draft_vocab)
+                    if drafts > 0 else [])
         return cls(model, tok, drafters, num_paths=drafts, draft_len=draft_len, **kw)
 
     # -- input ----------------------------------------------------------------------------------

@@ -51,6 +51,10 @@ class Linear:
 
 PACK_ROWS = 8              # oneDNN's layout hint: the row count the packing is tuned for
 MAX_PACKED_ROWS = 32       # decode, beams, draft trees; longer prompt prefills keep HF's GEMM
+# A verify tree over a prefix this short attends with two plain bmm's under one additive mask
+# built per forward: below ~400 prefix tokens that beats the two flash calls of the cascade
+# (whose fixed cost dominates there) by ~50 us a layer on this CPU (eval/bench_tree_attention.py).
+SHORT_PREFIX, SHORT_TREE = 384, 64
 
 
 @dataclass
@@ -168,8 +172,10 @@ class Model:
                 prefix_slots: torch.Tensor, write_slots: torch.Tensor | None = None,
                 write_src: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
                 prefix_mask: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                logits_idx: torch.Tensor | slice | None = None) -> torch.Tensor:
-        """Logits `[T', V]` for `tokens [T]` at `positions [T]`.
+                logits_idx: torch.Tensor | slice | None = None,
+                head: Linear | None = None) -> torch.Tensor:
+        """Logits `[T', V]` for `tokens [T]` at `positions [T]` (`[T', K]` over the K rows of
+        `head`, a vocabulary subset of lm_head, where one is given).
 
         Each new token attends to the pool slots `prefix_slots [L]` (all of them, or those where
         `prefix_mask [T, L]` is True) and to the new tokens where `tree_mask [T, T]` is True
@@ -192,6 +198,12 @@ class Model:
             all_slots = torch.cat((prefix_slots, write_slots))
         if write_src is not None:
             write_src = write_src.to(x.device)
+        L = prefix_slots.numel()
+        if (prefix_mask is None and not decode and not use_kernel and x.device.type == "cpu"
+                and 0 < L <= SHORT_PREFIX and 1 < T <= SHORT_TREE):
+            prefix_mask = torch.ones(T, L, dtype=torch.bool)        # short prefix: bmm path
+            if tree_mask is None:
+                tree_mask = torch.ones(T, T, dtype=torch.bool)
         if prefix_mask is not None:
             bias = _mask_bias(prefix_mask, tree_mask, H // KVH, x.dtype)
         for i, ly in enumerate(self.layers):
@@ -224,7 +236,7 @@ class Model:
             x = ly.down.add_to(x, F.silu(g) * u)
         if logits_idx is not None:
             x = x[logits_idx]
-        return self.lm_head(rms_norm(x, self.norm, self.eps))
+        return (self.lm_head if head is None else head)(rms_norm(x, self.norm, self.eps))
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):

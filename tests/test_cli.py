@@ -31,6 +31,7 @@ def run(*args, timeout=120, stdin=None):
     ([], "one of the arguments --prompt --prompt-file is required"),
     (["--prompt", "hi", "--drafts", "2", "--drafter", "bogus"], "unknown drafter 'bogus'"),
     (["--prompt", "hi", "--drafts", "2", "--min-conf", "1.5"], "--min-conf must be in [0, 1]"),
+    (["--prompt", "hi", "--drafts", "2", "--draft-vocab", "-1"], "--draft-vocab must be >= 0"),
 ])
 def test_bad_input_one_line_error(args, needle):
     p, dt = run("generate", *args)

@@ -50,7 +50,8 @@ def _two_token_law(hf, prompt, temperature, top_k=None):
     return (p1[:, None] * p2).flatten()                             # joint [V*V]
 
 
-@pytest.mark.parametrize("mix", ["model3", "model3-adaptive", "model+ngram", "ngram"])
+@pytest.mark.parametrize("mix", ["model3", "model3-adaptive", "model3-vocab", "model+ngram",
+                                 "ngram"])
 def test_sampled_output_has_target_distribution(mix):
     target = _tiny(0, 0.8)
     draft = _tiny(1, 0.8)                       # a different model: q != p
@@ -59,6 +60,8 @@ def test_sampled_output_has_target_distribution(mix):
     drafters = {"model3": [ModelDrafter(Model(draft), "draft", min_conf=0.0)],
                 # paths stop on their own draft probabilities: lengths vary, law must not
                 "model3-adaptive": [ModelDrafter(Model(draft), "draft", min_conf=0.5)],
+                # output rows {5} + the prompt's {1, 2, 3}: q is 0 on 0, 4, 6, 7, p is not
+                "model3-vocab": [ModelDrafter(Model(draft), "draft", min_conf=0.0, vocab=[5])],
                 "model+ngram": [ModelDrafter(Model(draft), "draft"), NgramDrafter()],
                 "ngram": [NgramDrafter(min_ngram=1)]}[mix]
     dec = SpecDecoder(Model(target), None, drafters, num_paths=3, draft_len=2,
@@ -90,6 +93,38 @@ def test_model_drafter_stops_paths_on_draft_confidence():
         d.end()
         assert d.pool.used_blocks == 0
     assert lens == {0.0: [4, 4, 4], 1.0: [1]}
+
+
+def test_model_drafter_vocab_head_is_the_full_head_restricted():
+    """With `vocab`, the draft proposes the argmax of its full logits over vocab + context; a
+    token that enters the context later gets a row too."""
+    from specfork.drafters.base import SamplingParams
+    hf = _tiny(1, 0.8)
+    ctx = [1, 2, 1, 2]
+    d = ModelDrafter(Model(hf), "draft", min_conf=0.0, vocab=[0, 6])
+    d.begin(ctx)
+    assert sorted(d.head_ids.tolist()) == [0, 1, 2, 6]
+    for extra in ([], [7], [7, 3]):
+        c = ctx + extra
+        d.observe(c)
+        allowed = sorted({0, 6, *c})
+        assert sorted(d.head_ids.tolist()) == allowed
+        with torch.no_grad():
+            logits = hf(torch.tensor([c])).logits[0, -1]
+        best = max(allowed, key=lambda t: float(logits[t]))
+        (path,) = d.propose(c, 1, 1, SamplingParams())
+        assert path.tokens == [best]
+        sampled = d.propose(c, 4, 2, SamplingParams(1.0, generator=torch.Generator().manual_seed(0)))
+        for p in sampled:
+            assert set(p.tokens) <= set(allowed)
+            assert p.q.shape == (len(p.tokens), V)
+            assert torch.allclose(p.q.sum(-1), torch.ones(len(p.tokens)))
+            assert p.q[:, [t for t in range(V) if t not in allowed]].sum() == 0
+        d.observe(c)
+    d.end()
+    assert d.pool.used_blocks == 0
+    with pytest.raises(Exception, match="draft vocab"):
+        ModelDrafter(Model(hf), "draft", vocab=[V])
 
 
 # -- the embedded model ----------------------------------------------------------------------

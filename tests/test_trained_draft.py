@@ -3,8 +3,8 @@ embedded target (loose floor; results/draft_eval.json has the real numbers)."""
 import pytest
 import torch
 
-from specfork.drafters.trained_draft import (WEIGHTS, DraftTargetMismatch, DraftWeightsMissing,
-                                             load_trained_draft)
+from specfork.drafters.trained_draft import (DRAFT_VOCAB, WEIGHTS, DraftTargetMismatch,
+                                             DraftWeightsMissing, load_trained_draft, load_vocab)
 from specfork.errors import SpecforkError
 
 
@@ -12,6 +12,16 @@ def test_shipped_files_small():
     files = [f for f in WEIGHTS.iterdir() if f.is_file()]
     assert {"config.json", "model.safetensors", "train_info.json"} <= {f.name for f in files}
     assert sum(f.stat().st_size for f in files) <= 25 * 2**20
+
+
+def test_vocab_ranking_covers_every_id_once():
+    ids = load_vocab(10**6)
+    assert sorted(ids.tolist()) == list(range(49152))
+    assert load_vocab(DRAFT_VOCAB).tolist() == ids[:DRAFT_VOCAB].tolist()
+    with pytest.raises(SpecforkError, match="positive"):
+        load_vocab(0)
+    with pytest.raises(DraftWeightsMissing, match="train_draft.py vocab"):
+        load_vocab(10, weights_dir="/nonexistent")
 
 
 def test_missing_weights_is_a_clear_error(tmp_path):
@@ -87,3 +97,14 @@ def test_default_mix_of_the_embedded_target_uses_the_trained_draft(smol):
     assert make_drafters(None, "smollm2-135m", model, 3, min_conf=0.0)[1].min_conf == 0.0
     with pytest.raises(SpecforkError):
         make_drafters(None, "smollm2-135m", model, 3, min_conf=-0.1)
+    # its output layer: the DRAFT_VOCAB most frequent target tokens plus the request's own
+    d = ds[1]
+    assert d.vocab.tolist() == load_vocab(DRAFT_VOCAB).tolist()
+    prompt = [12345, 40000, 49151]
+    d.begin(prompt)
+    assert d.head.w.shape == (len(d.head_ids), model.config.hidden_size)
+    assert set(d.head_ids.tolist()) == set(d.vocab.tolist()) | set(prompt)
+    d.end()
+    assert make_drafters(None, "smollm2-135m", model, 3, draft_vocab=0)[1].vocab is None
+    with pytest.raises(SpecforkError):
+        make_drafters(None, "smollm2-135m", model, 3, draft_vocab=-1)
