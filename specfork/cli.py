@@ -31,7 +31,7 @@ def _args(argv):
                         "below this (default 0.3; 0 drafts every path to --draft-len)")
     g.add_argument("--draft-vocab", type=int, default=None,
                    help="output rows the trained draft keeps: the target's N most frequent "
-                        "tokens plus the prompt's (default 4096; 0: the whole vocabulary)")
+                        "tokens plus the prompt's (default 8192; 0: the whole vocabulary)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file holding the prompt ('-' for stdin)")

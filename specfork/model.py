@@ -51,11 +51,11 @@ class Linear:
 
 PACK_ROWS = 8              # oneDNN's layout hint: the row count the packing is tuned for
 MAX_PACKED_ROWS = 32       # decode, beams, draft trees; longer prompt prefills keep HF's GEMM
-# A verify tree over a prefix this short attends with two plain bmm's under one additive mask
-# built per forward: below ~400 prefix tokens that beats the two flash calls of the cascade,
-# whose fixed cost dominates there. Timed interleaved on the 2-core dev CPU: a 7-token tree
-# over 150 (350) prefix tokens, whole target forward 41.9 ms vs 46.1 (49.8 vs 52.2); even at
-# 800 tokens per layer.
+# A tree over a prefix this short (and not passing its own prefix_mask) attends with two plain
+# bmm's under one additive mask built per forward instead of the cascade's two flash calls,
+# whose fixed cost dominates there. Timed interleaved on the 2-core dev CPU (fp32 target, one
+# layer's attention): the two break even near 800 prefix tokens, so 384 is a safe cut; whole
+# target forward of a 7-token tree over 150 (350) prefix tokens: 41.9 ms vs 46.1 (49.8 vs 52.2).
 SHORT_PREFIX, SHORT_TREE = 384, 64
 
 

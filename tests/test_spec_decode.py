@@ -60,7 +60,8 @@ def test_sampled_output_has_target_distribution(mix):
     drafters = {"model3": [ModelDrafter(Model(draft), "draft", min_conf=0.0)],
                 # paths stop on their own draft probabilities: lengths vary, law must not
                 "model3-adaptive": [ModelDrafter(Model(draft), "draft", min_conf=0.5)],
-                # output rows {5} + the prompt's {1, 2, 3}: q is 0 on 0, 4, 6, 7, p is not
+                # output rows {5} + the prompt's {1, 2, 3} + the first emitted token: q is 0 on
+                # the other tokens, p is not
                 "model3-vocab": [ModelDrafter(Model(draft), "draft", min_conf=0.0, vocab=[5])],
                 "model+ngram": [ModelDrafter(Model(draft), "draft"), NgramDrafter()],
                 "ngram": [NgramDrafter(min_ngram=1)]}[mix]
@@ -96,23 +97,25 @@ def test_model_drafter_stops_paths_on_draft_confidence():
 
 
 def test_model_drafter_vocab_head_is_the_full_head_restricted():
-    """With `vocab`, the draft proposes the argmax of its full logits over vocab + context; a
-    token that enters the context later gets a row too."""
+    """With `vocab`, the draft proposes the argmax of its full logits over vocab + every token
+    of the context (the first generated one included); sampled q is 0 outside that set."""
     from specfork.drafters.base import SamplingParams
     hf = _tiny(1, 0.8)
     ctx = [1, 2, 1, 2]
-    d = ModelDrafter(Model(hf), "draft", min_conf=0.0, vocab=[0, 6])
+    d = ModelDrafter(Model(hf), "draft", min_conf=0.0, vocab=[6, 0, 6])
+    assert d.vocab.tolist() == [0, 6]                     # a repeated id is one row
     d.begin(ctx)
     assert sorted(d.head_ids.tolist()) == [0, 1, 2, 6]
-    for extra in ([], [7], [7, 3]):
+    outside = 0                                           # steps the cut head changes the pick
+    for extra in ([], [7], [7, 3]):                       # 7: as if the target emitted it
         c = ctx + extra
-        d.observe(c)
         allowed = sorted({0, 6, *c})
-        assert sorted(d.head_ids.tolist()) == allowed
         with torch.no_grad():
             logits = hf(torch.tensor([c])).logits[0, -1]
         best = max(allowed, key=lambda t: float(logits[t]))
+        outside += int(logits.argmax()) not in allowed
         (path,) = d.propose(c, 1, 1, SamplingParams())
+        assert sorted(d.head_ids.tolist()) == allowed
         assert path.tokens == [best]
         sampled = d.propose(c, 4, 2, SamplingParams(1.0, generator=torch.Generator().manual_seed(0)))
         for p in sampled:
@@ -121,8 +124,9 @@ def test_model_drafter_vocab_head_is_the_full_head_restricted():
             assert torch.allclose(p.q.sum(-1), torch.ones(len(p.tokens)))
             assert p.q[:, [t for t in range(V) if t not in allowed]].sum() == 0
         d.observe(c)
+    assert outside >= 1
     d.end()
-    assert d.pool.used_blocks == 0
+    assert d.pool.used_blocks == 0 and d.head is None
     with pytest.raises(Exception, match="draft vocab"):
         ModelDrafter(Model(hf), "draft", vocab=[V])
 
@@ -167,8 +171,12 @@ def test_greedy_identical_to_hf_generate(smol, hf_greedy, mix, paths):
 
 
 @pytest.mark.slow
-def test_verify_forward_matches_per_path_decoding(smol, mt_prompts):
-    """One tree forward gives every node the logits of decoding its path token by token."""
+@pytest.mark.parametrize("short_prefix", [384, 0], ids=["bmm", "cascade"])
+def test_verify_forward_matches_per_path_decoding(smol, mt_prompts, monkeypatch, short_prefix):
+    """One tree forward gives every node the logits of decoding its path token by token, on both
+    CPU attention paths (short prefixes: two bmm's under one mask; longer: the flash cascade)."""
+    import specfork.model as sm
+    monkeypatch.setattr(sm, "SHORT_PREFIX", short_prefix)
     hf, tok, model = smol
     ids = tok(mt_prompts[3]["text"])["input_ids"][:37]           # prefix ends mid-block
     pool = model.make_pool(num_blocks=64)
@@ -194,6 +202,13 @@ def test_verify_forward_matches_per_path_decoding(smol, mt_prompts):
                                 prefix, slot)
             torch.testing.assert_close(logits[node], ref[0], atol=1e-4, rtol=0)
         kv.release(f)
+    # tree_mask=None: every new token sees every other (a chain fed as one block, causal order
+    # aside) - the same on both paths as an explicit all-ones mask
+    chain = tree.tokens[:3]
+    full = model.forward(chain, tree.positions(n)[:3], pool, kv.slots(B),
+                         tree_mask=torch.ones(3, 3, dtype=torch.bool))
+    none = model.forward(chain, tree.positions(n)[:3], pool, kv.slots(B), tree_mask=None)
+    torch.testing.assert_close(none, full, atol=1e-5, rtol=0)
     kv.release(B)
     assert pool.used_blocks == 0
 
