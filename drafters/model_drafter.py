@@ -23,8 +23,9 @@ from specfork.model import Linear, Model, causal_mask
 from specfork.sampling import probs_from_logits
 
 # A path stops after the token that takes its draft probability (the product over its tokens,
-# each a softmax over the draft's output rows: its vocabulary head where it has one) below this. Chosen with eval/tune_drafting.py on six hand-written prompts (none from MT-bench
-# or HumanEval): default mix, 3 paths, 4 tokens: 0.3 ran at 1.19-1.26x our greedy, 0 at 0.81x.
+# each a softmax over the draft's output rows: its vocabulary head where it has one) below
+# this. Chosen with eval/tune_drafting.py on six hand-written prompts (none from MT-bench or
+# HumanEval): default mix, 3 paths, 4 tokens: 0.3 ran at 1.19-1.26x our greedy, 0 at 0.81x.
 MIN_CONF = 0.3
 
 

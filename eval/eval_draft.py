@@ -152,7 +152,7 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
             out = plain.generate(pr["text"], max_new_tokens=args.tokens)
             wall = time.perf_counter() - t0
-            for dt, d in (("fp32", draft_hf), (args.draft_dtype, draft_eng)):
+            for dt, d in {"fp32": draft_hf, args.draft_dtype: draft_eng}.items():  # once each
                 ms[dt].append(match_vector(d, out.prompt_token_ids, out.token_ids))
             if vocab is not None:
                 ms[eng].append(match_vector(draft_eng, out.prompt_token_ids, out.token_ids, vocab))
