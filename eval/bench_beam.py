@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -152,4 +153,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from specfork.errors import run_command
+    sys.exit(run_command("bench_beam", main))

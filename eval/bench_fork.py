@@ -182,4 +182,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from specfork.errors import run_command
+    sys.exit(run_command("bench_fork", main))

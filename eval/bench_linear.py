@@ -11,6 +11,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -84,4 +85,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from specfork.errors import run_command
+    sys.exit(run_command("bench_linear", main))

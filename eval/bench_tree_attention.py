@@ -15,6 +15,7 @@ import argparse
 import json
 import platform
 import random
+import sys
 import time
 
 import torch
@@ -136,4 +137,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from specfork.errors import run_command
+    sys.exit(run_command("bench_tree_attention", main))

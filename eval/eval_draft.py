@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -38,6 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from specfork.decoder import SpecDecoder  # noqa: E402
 from specfork.drafters.model_drafter import ModelDrafter  # noqa: E402
 from specfork.drafters.ngram import NgramDrafter  # noqa: E402
+from specfork.errors import SpecforkError, check_positive, run_command  # noqa: E402
 from specfork.drafters.trained_draft import (DRAFT_VOCAB, WEIGHTS, load_trained_draft,  # noqa: E402
                                              load_vocab)
 from specfork.kv_tree import KVTree  # noqa: E402
@@ -130,6 +132,9 @@ def main(argv=None) -> None:
     p.add_argument("--json", type=Path, default=Path("results/draft_eval.json"))
     p.add_argument("--md", type=Path, default=Path("results/draft_eval.md"))
     args = p.parse_args(argv)
+    check_positive(n=args.n, tokens=args.tokens, ctx=args.ctx, reps=args.reps)
+    if args.tau_prompts < 0 or args.draft_vocab < 0:
+        raise SpecforkError("--tau-prompts and --draft-vocab must be >= 0")
     default_threads = torch.get_num_threads()
     torch.manual_seed(0)
 
@@ -299,4 +304,4 @@ def markdown(r: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command("eval_draft", main))

@@ -158,4 +158,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from specfork.errors import run_command
+    sys.exit(run_command("gpu_tree_attention", main))

@@ -17,9 +17,12 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 
 import torch
+
+from specfork.errors import SpecforkError, check_positive, run_command
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -139,14 +142,22 @@ def main(argv=None):
                     help="KV block size (default: one token)")
     ap.add_argument("--out", default="results/mcts.json")
     a = ap.parse_args(argv)
+    check_positive(branching=a.branching, depth=a.depth, simulations=a.simulations,
+                   max_kv_tokens=a.max_kv_tokens, threads=a.threads)
+    if a.block_size is not None:
+        check_positive(block_size=a.block_size)
     torch.set_num_threads(a.threads)
     from specfork.decoder import SpecDecoder
     from specfork.model import Model
     from specfork.models import load_hf
     from specfork.prompts import load_prompts
+    prompts = load_prompts("mtbench")
+    if not 0 <= a.prompt < len(prompts):
+        raise SpecforkError(f"--prompt must be in 0..{len(prompts) - 1}, got {a.prompt}")
+    p = prompts[a.prompt]
     hf, tok = load_hf("smollm2-135m", dtype=torch.float32, device="cpu")
     model = Model(hf)
-    p = load_prompts("mtbench")[a.prompt]
+
     dec = SpecDecoder(model, tok)
     ids = dec.encode(p["text"])
     greedy = dec.generate(ids, max_new_tokens=a.depth)
@@ -175,4 +186,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command("mcts_search", main))

@@ -672,13 +672,8 @@ def main(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     host = machine()
-    from specfork.errors import SpecforkError
-    try:
-        return _run(a, command, t_start, host)
-    except (SpecforkError, OSError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"run_table: error: {msg}", file=sys.stderr)
-        return 2
+    from specfork.errors import run_command
+    return run_command("run_table", lambda: _run(a, command, t_start, host))
 
 
 def _run(a, command: str, t_start: float, host: dict) -> int:

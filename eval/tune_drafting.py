@@ -16,9 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
+
+from specfork.errors import SpecforkError, check_positive, run_command
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -34,6 +37,27 @@ PROMPTS = [
 ]
 
 
+REQUIRED = {"mix", "paths", "len", "conf"}
+OPTIONAL = {"ngmin", "vocab", "dtype"}
+
+
+def parse_config(text: str) -> dict:
+    """One config (see the module docstring), checked before any model loads."""
+    try:
+        c = json.loads(text)
+    except ValueError as e:
+        raise SpecforkError(f"config {text!r} is not JSON: {e}") from None
+    if not isinstance(c, dict) or not REQUIRED <= c.keys() or not c.keys() <= REQUIRED | OPTIONAL:
+        raise SpecforkError(f"config {text!r}: need keys {sorted(REQUIRED)}, optional "
+                            f"{sorted(OPTIONAL)}")
+    bad = [k for k in c["mix"].split(",") if k not in ("ngram", "trained")]
+    if bad or c["paths"] < 1 or c["len"] < 1 or not 0 <= c["conf"] < 1 \
+            or c.get("dtype", "float16") not in ("float16", "bfloat16"):
+        raise SpecforkError(f"config {text!r}: mix of ngram/trained, paths >= 1, len >= 1, "
+                            "0 <= conf < 1, dtype float16 or bfloat16")
+    return c
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("configs", nargs="+", help="JSON objects, see the module docstring")
@@ -41,6 +65,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
+    check_positive(max_new_tokens=a.max_new_tokens, reps=a.reps, threads=a.threads)
+    cfgs = [parse_config(c) for c in a.configs]
     torch.set_num_threads(a.threads)
     from specfork.decoder import SpecDecoder
     from specfork.drafters.model_drafter import ModelDrafter
@@ -51,7 +77,6 @@ def main(argv=None):
 
     hf, tok = load_hf("smollm2-135m", dtype=torch.float32, device="cpu")
     model = Model(hf)
-    cfgs = [json.loads(c) for c in a.configs]
     drafts = {dt: Model(load_trained_draft(hf, dtype=getattr(torch, dt)))
               for dt in {c.get("dtype", "float16") for c in cfgs}}
 
@@ -85,4 +110,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command("tune_drafting", main))

@@ -116,15 +116,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     a = _args(argv)
-    from specfork.errors import SpecforkError
-    try:
-        return generate(a)
-    except (SpecforkError, OSError, ValueError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"specfork: error: {msg}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    from specfork.errors import run_command
+    return run_command("specfork", lambda: generate(a))
 
 
 if __name__ == "__main__":
