@@ -5,14 +5,15 @@
     python eval/train_draft.py vocab    # rank the target's output tokens -> weights/vocab.json
     python eval/train_draft.py all      # the three in turn
 
-The shipped draft (76 min on the 2-core dev machine; weights/train_info.json):
+The shipped draft (85 min on the 2-core dev machine; weights/train_info.json):
 
-    python eval/train_draft.py all --threads 2 --prompts 4000 --seqs 4000 --gen-minutes 36 \
-        --train-minutes 36 --epochs 5
+    python eval/train_draft.py all --threads 2 --prompts 8000 --seqs 8000 --gen-minutes 50 \
+        --train-minutes 33 --epochs 5
 
-It stopped generating after 3712 sequences (392706 target tokens in training, 148 sequences
-held out) and ran all 1770 steps; the same data and schedule without the clock:
-`all --threads 2 --prompts 4000 --seqs 3712 --steps 1770`.
+It stopped generating after 5888 sequences (625988 target tokens in training, 235 sequences
+held out), fitted a 2172-step schedule to the 33 minutes and was cut at step 1861 (3.5 epochs);
+the same data and schedule without the clock:
+`all --threads 2 --prompts 8000 --seqs 5888 --steps 2172 --stop-at 1861`.
 
 The draft is an ordinary LlamaForCausalLM with the target's width and `--init-layers` decoder
 layers copied from the target (default its first three: with the last one, 0,29, it starts at 0%
@@ -50,6 +51,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specfork.errors import SpecforkError, check_positive, run_command
+
 ROOT = Path(__file__).resolve().parent.parent
 WEIGHTS = ROOT / "drafters" / "weights"
 DATA = Path(os.environ.get("SPECFORK_DRAFT_DATA", "/tmp/specfork_draft_data.pt"))
@@ -73,18 +76,71 @@ electric circuits;thermodynamics;entropy;probability;statistics;the Pythagorean 
 prime numbers;calculus;linear algebra;game theory;microeconomics;globalization;minimum wage;
 universal basic income;the gig economy;coffee;tea ceremonies;jazz music;impressionist painting;
 Shakespeare's plays;Greek mythology;chess;the Olympic Games;marathon training;gardening;
-baking bread;photography;learning a new language;public speaking;leadership;negotiation
+baking bread;photography;learning a new language;public speaking;leadership;negotiation;
+the human brain;memory;habits;procrastination;emotional intelligence;friendship;parenting;
+childhood development;ageing;loneliness;happiness;motivation;creativity;critical thinking;
+logical fallacies;ethics;free will;stoicism;existentialism;utilitarianism;the trolley problem;
+Buddhism;ancient Egypt;the Silk Road;the Ottoman Empire;the Aztecs;the Vikings;the Great Wall of
+China;the American Civil War;the fall of the Berlin Wall;colonialism;the civil rights movement;
+women's suffrage;the Magna Carta;feudalism;the Black Death;the Space Race;the Apollo program;
+the Hubble telescope;exoplanets;the Big Bang;dark matter;the solar system;comets;eclipses;
+tides;the ozone layer;glaciers;deserts;rainforests;wetlands;migration of birds;bees and
+pollination;photosynthesis in algae;fungi;bacteria;viruses;pandemics;the heart;blood types;
+the digestive system;allergies;diabetes;cancer research;mental health;anxiety;depression;
+vitamins;intermittent fasting;vegetarian diets;food safety;fermentation;chocolate;cheese making;
+wine tasting;street food;spices;sushi;Italian cuisine;Mexican cuisine;Indian cuisine;
+home cooking on a budget;meal planning;kitchen knives;coffee brewing methods;
+personal finance;budgeting;credit scores;mortgages;retirement savings;index funds;taxes;
+small business marketing;branding;customer service;product management;agile development;
+startups;venture capital;e-commerce;supply chains;logistics;advertising;remote teams;
+job interviews;resumes;networking;workplace culture;burnout;four-day work weeks;unions;
+smartphones;5G networks;the internet of things;cloud computing;open source software;
+cybersecurity;passwords;phishing;blockchain;large language models;self-driving cars;drones;
+robotics;3D printing;virtual reality;video games;streaming services;podcasts;
+the history of the internet;search engines;Wikipedia;email etiquette;smart homes;
+the metric system;maps and navigation;GPS;time zones;calendars;clocks;money and banking;
+central banks;trade deficits;tariffs;recessions;housing prices;tourism;air travel;
+high-speed rail;bicycles;city parks;architecture;skyscrapers;bridges;Gothic cathedrals;
+interior design;minimalism;fashion;sustainable fashion;tattoos;classical music;rock and roll;
+hip hop;opera;film noir;animation;documentary films;theatre;ballet;sculpture;street art;
+poetry;science fiction;fairy tales;detective novels;comic books;libraries;museums;
+the Olympic marathon;football;basketball;tennis;cycling;swimming;yoga;rock climbing;
+mountaineering;camping;fishing;birdwatching;dog training;cats;horses;aquariums;zoos;
+endangered species;wildlife conservation;national parks;volunteering;charity;
+climate adaptation;water scarcity;desalination;agriculture;organic farming;vertical farming;
+soil erosion;fertilisers;genetically modified crops;food waste;plastic packaging;composting;
+electric grids;hydrogen fuel;nuclear fusion;geothermal energy;carbon capture;
+the periodic table;chemical reactions;acids and bases;catalysts;polymers;semiconductors;
+lasers;optics;sound waves;music theory;rhythm;the piano;the violin;choirs;
+vocabulary building;grammar;punctuation;essay writing;storytelling;journalism;fake news;
+propaganda;elections;the separation of powers;the United Nations;international law;
+refugees;immigration;urbanisation;rural life;housing policy;homelessness;public health;
+health insurance;hospitals;nursing;first aid;sign language;accessibility;education reform;
+homeschooling;online courses;standardised tests;student loans;study techniques;exam stress
 """.split(";")
 PLACES = ("Japan;Italy;Iceland;Peru;Morocco;Canada;Kenya;New Zealand;Norway;Vietnam;Portugal;"
-          "Mexico;Egypt;Scotland;Thailand;Chile;Greece;India;Switzerland;Australia").split(";")
+          "Mexico;Egypt;Scotland;Thailand;Chile;Greece;India;Switzerland;Australia;Brazil;"
+          "Argentina;Turkey;Jordan;South Korea;Indonesia;Ireland;Spain;Croatia;Finland;Poland;"
+          "Tanzania;Nepal;Cuba;Costa Rica;Singapore;Paris;Tokyo;New York;Barcelona;Istanbul;"
+          "Cape Town;Rio de Janeiro;Kyoto;Prague;Vienna;Lisbon;Amsterdam").split(";")
 ROLES = ("chef;detective;astronaut;librarian;personal trainer;pirate captain;museum guide;"
          "software architect;kindergarten teacher;marine biologist;travel agent;tax advisor;"
-         "medieval knight;radio host;career coach;park ranger;startup founder;poet").split(";")
+         "medieval knight;radio host;career coach;park ranger;startup founder;poet;nurse;"
+         "lawyer;architect;farmer;film director;journalist;data scientist;firefighter;pilot;"
+         "barista;historian;economist;veterinarian;fashion designer;football coach;"
+         "dentist;real estate agent;psychologist;carpenter;sommelier;game designer;"
+         "city mayor;flight attendant;wildlife photographer").split(";")
 GOALS = ("start running;save money for a house;learn to code;get better sleep;write a novel;"
          "change careers;eat healthier;speak confidently in meetings;learn the guitar;"
-         "reduce screen time;organise a small wedding;grow vegetables on a balcony").split(";")
-NAMES = "Alice;Bob;Carla;David;Emma;Farid;Grace;Hiro;Ines;Jonas;Kofi;Lena;Mateo;Nora".split(";")
-ITEMS = "apples;notebooks;tickets;candles;shirts;pencils;lamps;mugs;plants;books".split(";")
+         "reduce screen time;organise a small wedding;grow vegetables on a balcony;"
+         "run a marathon;lose weight;learn to cook;make new friends in a new city;"
+         "start a podcast;pay off debt;become a better listener;learn to draw;"
+         "prepare for a job interview;travel on a tight budget;study for exams;"
+         "build a personal website;adopt a dog;stop procrastinating").split(";")
+NAMES = ("Alice;Bob;Carla;David;Emma;Farid;Grace;Hiro;Ines;Jonas;Kofi;Lena;Mateo;Nora;Omar;"
+         "Priya;Quentin;Rosa;Sam;Tariq;Uma;Victor;Wei;Yara;Zoe").split(";")
+ITEMS = ("apples;notebooks;tickets;candles;shirts;pencils;lamps;mugs;plants;books;chairs;"
+         "headphones;bicycles;cookies;umbrellas;watches;backpacks;toys").split(";")
 CODE_TASKS = """reverses a string;checks whether a number is prime;
 returns the n-th Fibonacci number;counts the vowels in a string;merges two sorted lists;
 removes duplicates from a list while keeping order;
@@ -132,7 +188,7 @@ CHAT_TEMPLATES = [
     "What is the sum of all integers from 1 to {a}0?",
     "{name} is taller than {name2}, and {name2} is taller than {name3}. Who is the shortest? "
     "Explain your reasoning.",
-    "The area of a rectangle is {a}{b} square metres and its width is {b} metres. "
+    "The area of a rectangle is {area} square metres and its width is {b} metres. "
     "What is its length?",
     "Write a Python function that {task}.", "Write a {lang} program that {task}.",
     "How would you write code that {task}? Explain the algorithm first.",
@@ -151,7 +207,7 @@ CHAT_TEMPLATES += [   # longer, more specific requests: writing, roleplay, reaso
     "Write a short speech for a {role} opening a conference on {t}.",
     "Describe a memorable character who works as a {role}, using vivid imagery.",
     "Write a cover letter for a job as a {role} at a company that works on {t}.",
-    "Imagine you are {name}, a {role} living in {place} in the year 19{a}0. Describe your "
+    "Imagine you are {name}, a {role} living in {place} in the year {year}. Describe your "
     "morning in detail.",
     "Act as a debate coach. Give two arguments for and two against investing public money in "
     "{t}.",
@@ -160,8 +216,8 @@ CHAT_TEMPLATES += [   # longer, more specific requests: writing, roleplay, reaso
     "A box holds {a} red balls and {b} blue balls. Two balls are drawn without replacement. "
     "What is the probability that both are red?",
     "Let f(x) = {b}x^2 - {a}x + {c}. Find f({b}) and explain each step.",
-    "A rectangle has a perimeter of {c} cm and one side of {b} cm. What is its area?",
-    "{name} is {b} years older than {name2}. In {a} years the sum of their ages will be {c}. "
+    "A rectangle has a perimeter of {perim} cm and one side of {b} cm. What is its area?",
+    "{name} is {b} years older than {name2}. In {a} years the sum of their ages will be {ages}. "
     "How old are they now?",
     "There are {a} people at a party and everyone shakes hands with everyone else once. How "
     "many handshakes are there?",
@@ -216,11 +272,13 @@ def chat_prompts(rng: random.Random, n: int, constraints: float = 0.0) -> list[s
         n1, n2, n3 = rng.sample(NAMES, 3)
         p1, p2 = rng.sample(PLACES, 2)
         i1, i2, i3 = rng.sample(ITEMS, 3)
+        a, b = rng.randint(2, 19), rng.randint(2, 9)
         text = rng.choice(CHAT_TEMPLATES).format(
-            t=t.strip(), u=u.strip(), role=rng.choice(ROLES), goal=rng.choice(GOALS),
+            t=" ".join(t.split()), u=" ".join(u.split()), role=rng.choice(ROLES), goal=rng.choice(GOALS),
             place=p1, place2=p2, name=n1, name2=n2, name3=n3, item=i1, item2=i2, item3=i3,
             task=rng.choice(CODE_TASKS).strip(), lang=rng.choice(LANGS), adj=rng.choice(ADJS),
-            a=rng.randint(2, 19), b=rng.randint(2, 9), c=rng.randint(10, 60))
+            a=a, b=b, c=rng.randint(10, 60), year=rng.randrange(1700, 2000, 10),
+            perim=2 * (a + b), area=a * b, ages=2 * rng.randint(5, 40) + b + 2 * a)
         if rng.random() < constraints:
             text += " " + rng.choice(CONSTRAINTS)
         out.append(text)
@@ -485,6 +543,9 @@ def train(args) -> None:
     rng.shuffle(rows)
     n_val = max(8, int(args.val_frac * len(rows)))
     val, rows = rows[:n_val], rows[n_val:]
+    if not rows:
+        sys.exit(f"train: {args.data} holds {len(val)} sequences, all needed for the held-out "
+                 "set; generate more")
     target, _ = load_hf("smollm2-135m", dtype=torch.float32, device="cpu")
     layers = [int(x) for x in args.init_layers.split(",")]
     draft = init_draft(target, layers)
@@ -494,6 +555,7 @@ def train(args) -> None:
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
     per_epoch = len(batches(rows, args.batch_tokens, random.Random(0)))
     steps = args.steps or math.ceil(args.epochs * per_epoch / args.accum)
+    stop = min(args.stop_at or steps, steps)      # a rerun of a run the clock cut short
     sched = get_cosine_schedule_with_warmup(opt, min(50, steps // 10), steps)
     a0 = agreement(draft, val, args.batch_tokens)
     print(f"train: {len(rows)} seqs ({sum(len(r['topi']) for r in rows)} labelled tokens), "
@@ -501,7 +563,7 @@ def train(args) -> None:
           file=sys.stderr, flush=True)
     gen = torch.Generator().manual_seed(args.seed)
     t0, step, micro, log = time.perf_counter(), 0, 0, []
-    while step < steps:
+    while step < min(steps, stop):
         for mb in batches(rows, args.batch_tokens, rng):
             loss, agree, n = draft_loss(draft, mb, args.hard_weight, args.negatives, gen)
             (loss / args.accum).backward()
@@ -526,7 +588,7 @@ def train(args) -> None:
             if step % 20 == 0 or step == steps:
                 print(f"step {step}/{steps} loss {loss.item():.3f} agree {agree / n:.3f} "
                       f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-            if step == steps or time.perf_counter() - t0 > args.minutes * 60:
+            if step >= min(steps, stop) or time.perf_counter() - t0 > args.minutes * 60:
                 break
         if time.perf_counter() - t0 > args.minutes * 60:
             print("train: time limit reached", file=sys.stderr)
@@ -556,7 +618,8 @@ def train(args) -> None:
             # the same data and schedule without the clock: time cuts depend on the machine
             "reproduce": f"python eval/train_draft.py all --seed {args.seed} --threads "
                          f"{torch.get_num_threads()} --prompts {args.prompts} "
-                         f"--seqs {len(rows) + len(val)} --steps {step} "
+                         f"--seqs {len(rows) + len(val)} --batch {args.batch} --steps {steps} "
+                         f"{'' if step == steps else f'--stop-at {step} '}"
                          f"--code-share {args.code_share} --text-share {args.text_share} "
                          f"--constraints {args.constraints}"}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -617,7 +680,7 @@ def main(argv=None) -> None:
     g.add_argument("--text-share", dest="text_share", type=float, default=0.10)
     g.add_argument("--constraints", type=float, default=0.5,
                    help="share of chat prompts given a format instruction")
-    g.add_argument("--batch", type=int, default=64)
+    g.add_argument("--batch", type=int, default=128, help="prompts per generate call")
     g.add_argument("--max-new", dest="max_new", type=int, default=128)
     g.add_argument("--max-prompt", dest="max_prompt", type=int, default=320)
     g.add_argument("--topk", type=int, default=32)
@@ -627,6 +690,8 @@ def main(argv=None) -> None:
     t = p.add_argument_group("train")
     t.add_argument("--init-layers", dest="init_layers", default="0,1,2")
     t.add_argument("--epochs", type=float, default=5.0)
+    t.add_argument("--stop-at", dest="stop_at", type=int, default=0, help="stop after this "
+                   "many steps of the --steps schedule (reruns a run the clock cut mid-decay)")
     t.add_argument("--steps", type=int, default=0, help="optimizer steps (LR schedule length; "
                    "overrides --epochs and the --train-minutes fit): reruns a time-cut run")
     t.add_argument("--train-minutes", dest="train_minutes", type=float, default=math.inf,
@@ -640,6 +705,13 @@ def main(argv=None) -> None:
                    "training softmax beside the teacher's top-k (0: full vocabulary)")
     t.add_argument("--val-frac", dest="val_frac", type=float, default=0.04)
     args = p.parse_args(argv)
+    check_positive(threads=args.threads, prompts=args.prompts, seqs=args.seqs, batch=args.batch,
+                   max_new=args.max_new, max_prompt=args.max_prompt, topk=args.topk,
+                   epochs=args.epochs, train_minutes=args.train_minutes, lr=args.lr,
+                   batch_tokens=args.batch_tokens, accum=args.accum, gen_minutes=args.gen_minutes,
+                   val_frac=args.val_frac)
+    if args.steps < 0 or args.stop_at < 0 or args.negatives < 0:
+        raise SpecforkError("--steps, --stop-at and --negatives must be >= 0")
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.stage in ("gen", "all"):
@@ -653,4 +725,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command("train_draft", main))
