@@ -39,9 +39,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from specfork.decoder import SpecDecoder  # noqa: E402
 from specfork.drafters.model_drafter import ModelDrafter  # noqa: E402
 from specfork.drafters.ngram import NgramDrafter  # noqa: E402
-from specfork.errors import SpecforkError, check_positive, run_command  # noqa: E402
 from specfork.drafters.trained_draft import (DRAFT_VOCAB, WEIGHTS, load_trained_draft,  # noqa: E402
                                              load_vocab)
+from specfork.errors import SpecforkError, check_positive, run_command  # noqa: E402
 from specfork.kv_tree import KVTree  # noqa: E402
 from specfork.model import Linear, Model, causal_mask  # noqa: E402
 from specfork.models import load_hf  # noqa: E402

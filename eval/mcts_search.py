@@ -157,7 +157,6 @@ def main(argv=None):
     p = prompts[a.prompt]
     hf, tok = load_hf("smollm2-135m", dtype=torch.float32, device="cpu")
     model = Model(hf)
-
     dec = SpecDecoder(model, tok)
     ids = dec.encode(p["text"])
     greedy = dec.generate(ids, max_new_tokens=a.depth)

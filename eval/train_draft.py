@@ -118,6 +118,7 @@ refugees;immigration;urbanisation;rural life;housing policy;homelessness;public 
 health insurance;hospitals;nursing;first aid;sign language;accessibility;education reform;
 homeschooling;online courses;standardised tests;student loans;study techniques;exam stress
 """.split(";")
+TOPICS = [" ".join(t.split()) for t in TOPICS]     # one line each, however they wrap
 PLACES = ("Japan;Italy;Iceland;Peru;Morocco;Canada;Kenya;New Zealand;Norway;Vietnam;Portugal;"
           "Mexico;Egypt;Scotland;Thailand;Chile;Greece;India;Switzerland;Australia;Brazil;"
           "Argentina;Turkey;Jordan;South Korea;Indonesia;Ireland;Spain;Croatia;Finland;Poland;"
@@ -274,7 +275,7 @@ def chat_prompts(rng: random.Random, n: int, constraints: float = 0.0) -> list[s
         i1, i2, i3 = rng.sample(ITEMS, 3)
         a, b = rng.randint(2, 19), rng.randint(2, 9)
         text = rng.choice(CHAT_TEMPLATES).format(
-            t=" ".join(t.split()), u=" ".join(u.split()), role=rng.choice(ROLES), goal=rng.choice(GOALS),
+            t=t, u=u, role=rng.choice(ROLES), goal=rng.choice(GOALS),
             place=p1, place2=p2, name=n1, name2=n2, name3=n3, item=i1, item2=i2, item3=i3,
             task=rng.choice(CODE_TASKS).strip(), lang=rng.choice(LANGS), adj=rng.choice(ADJS),
             a=a, b=b, c=rng.randint(10, 60), year=rng.randrange(1700, 2000, 10),
@@ -544,8 +545,8 @@ def train(args) -> None:
     n_val = max(8, int(args.val_frac * len(rows)))
     val, rows = rows[:n_val], rows[n_val:]
     if not rows:
-        sys.exit(f"train: {args.data} holds {len(val)} sequences, all needed for the held-out "
-                 "set; generate more")
+        raise SpecforkError(f"{args.data} holds {len(val)} sequences, all needed for the "
+                            "held-out set; generate more")
     target, _ = load_hf("smollm2-135m", dtype=torch.float32, device="cpu")
     layers = [int(x) for x in args.init_layers.split(",")]
     draft = init_draft(target, layers)
@@ -555,7 +556,7 @@ def train(args) -> None:
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
     per_epoch = len(batches(rows, args.batch_tokens, random.Random(0)))
     steps = args.steps or math.ceil(args.epochs * per_epoch / args.accum)
-    stop = min(args.stop_at or steps, steps)      # a rerun of a run the clock cut short
+    stop = args.stop_at or steps                  # a rerun of a run the clock cut short
     sched = get_cosine_schedule_with_warmup(opt, min(50, steps // 10), steps)
     a0 = agreement(draft, val, args.batch_tokens)
     print(f"train: {len(rows)} seqs ({sum(len(r['topi']) for r in rows)} labelled tokens), "
