@@ -50,8 +50,9 @@ def parse_config(text: str) -> dict:
     if not isinstance(c, dict) or not REQUIRED <= c.keys() or not c.keys() <= REQUIRED | OPTIONAL:
         raise SpecforkError(f"config {text!r}: need keys {sorted(REQUIRED)}, optional "
                             f"{sorted(OPTIONAL)}")
-    bad = [k for k in c["mix"].split(",") if k not in ("ngram", "trained")]
-    if bad or c["paths"] < 1 or c["len"] < 1 or not 0 <= c["conf"] < 1 \
+    ok = isinstance(c["mix"], str) and all(k in ("ngram", "trained") for k in c["mix"].split(","))
+    ok = ok and all(isinstance(c[k], (int, float)) for k in ("paths", "len", "conf"))
+    if not ok or c["paths"] < 1 or c["len"] < 1 or not 0 <= c["conf"] < 1 \
             or c.get("dtype", "float16") not in ("float16", "bfloat16"):
         raise SpecforkError(f"config {text!r}: mix of ngram/trained, paths >= 1, len >= 1, "
                             "0 <= conf < 1, dtype float16 or bfloat16")
