@@ -1,12 +1,13 @@
 """How well the trained draft predicts the embedded target, and what a draft token costs.
 
-    python eval/eval_draft.py --n 10 --tau-prompts 2 --json results/draft_eval.json \\
+    python eval/eval_draft.py --n 40 --tau-prompts 2 --json results/draft_eval.json \\
         --md results/draft_eval.md
 
 - Greedy acceptance: the target (fp32, our Model) decodes `--tokens` greedy tokens per prompt on
-  the first `--n` MT-bench and HumanEval prompts (chat template); the draft reads the target's
-  greedy prefix in one teacher-forced forward, and a position counts when its argmax is the
-  target's token: exactly the per-token acceptance of greedy chain drafting. Reported for the
+  `--n` MT-bench and HumanEval prompts spread evenly over each file (40: five of each MT-bench
+  category, reported per category too; chat template); the draft reads the target's greedy
+  prefix in one teacher-forced forward, and a position counts when its argmax is the target's
+  token: exactly the per-token acceptance of greedy chain drafting. Reported for the
   fp32 draft, for the `--draft-dtype` the engine runs it in (fp16: a third of the cost here),
   and for that draft with the engine's output head (argmax over the `--draft-vocab` most frequent
   target tokens plus the prompt and the tokens generated so far).
@@ -45,7 +46,7 @@ from specfork.errors import SpecforkError, check_positive, run_command  # noqa: 
 from specfork.kv_tree import KVTree  # noqa: E402
 from specfork.model import Linear, Model, causal_mask  # noqa: E402
 from specfork.models import load_hf  # noqa: E402
-from specfork.prompts import load_prompts  # noqa: E402
+from specfork.prompts import load_prompts, mtbench_categories  # noqa: E402
 
 KS = range(2, 9)
 ENGINE_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -119,7 +120,7 @@ def time_forwards(models: dict[str, Model], ctx: int, reps: int, threads: int) -
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--n", type=int, default=10, help="prompts per set")
+    p.add_argument("--n", type=int, default=40, help="prompts per set, spread over the file")
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--tau-prompts", dest="tau_prompts", type=int, default=2,
                    help="prompts per set decoded for real with SpecDecoder at every k")
@@ -143,7 +144,8 @@ def main(argv=None) -> None:
     draft_hf = load_trained_draft(hf)
     info = json.loads((WEIGHTS / "train_info.json").read_text())
     plain = SpecDecoder(target, tok, max_kv_tokens=1024)
-    sets = {name: load_prompts(name, args.n) for name in ("mtbench", "humaneval")}
+    sets = {name: load_prompts(name, args.n, spread=True) for name in ("mtbench", "humaneval")}
+    category = mtbench_categories()
 
     draft_eng = load_trained_draft(hf, dtype=ENGINE_DTYPE[args.draft_dtype])
     vocab = load_vocab(args.draft_vocab) if args.draft_vocab else None
@@ -170,6 +172,12 @@ def main(argv=None) -> None:
                      "per_prompt": {r["id"]: round(sum(m) / len(m), 3)
                                     for r, m in zip(rows, ms["fp32"])},
                      "tokens": sum(map(len, m_eng))}
+        if name == "mtbench":             # the fp32 draft per category, as in "acceptance"
+            by_cat: dict[str, list] = {}
+            for r, m in zip(rows, ms["fp32"]):
+                by_cat.setdefault(category[r["id"]], []).append(m)
+            acc[name]["per_category"] = {c: {"acceptance": round(pooled(v), 4),
+                                             "prompts": len(v)} for c, v in by_cat.items()}
         tau[name] = {k: round(statistics.mean(tau_from_matches(m, k) for m in m_eng), 3)
                      for k in KS}
         sub = rows[:args.tau_prompts]
@@ -262,7 +270,7 @@ def markdown(r: dict) -> str:
         f"generation) for {tr['train']['steps']} steps ({tr['train']['seconds']} s); held-out "
         f"agreement {tr['held_out_agreement']['init']} at init -> "
         f"{tr['held_out_agreement']['final']}. In the engine the draft runs in {runs}.", "",
-        f"## Greedy acceptance ({s['prompts_per_set']} prompts per set, "
+        f"## Greedy acceptance ({s['prompts_per_set']} prompts per set spread over the file, "
         f"{s['greedy_tokens_per_prompt']} greedy target tokens each; goal >= 0.6)", "",
         f"| set | acceptance (fp32 draft) | acceptance ({dt} draft) | acceptance ({eng}) | "
         "positions | goal |",
@@ -271,6 +279,10 @@ def markdown(r: dict) -> str:
         lines.append(f"| {name} | {a['acceptance']:.3f} | {a['acceptance_' + dt]:.3f} | "
                      f"{a['acceptance_' + eng]:.3f} | {a['tokens']} | "
                      f"{goal[a['acceptance'] >= 0.6]} |")
+    cats = r["greedy_acceptance"].get("mtbench", {}).get("per_category")
+    if cats:
+        lines += ["", "MT-bench by category (fp32 draft): " + ", ".join(
+            f"{c} {v['acceptance']:.3f}" for c, v in cats.items()) + "."]
     sets = list(r["tau_from_acceptance"])
     lines += ["", "## tau (tokens per target verification step, chain of k drafted tokens)", "",
               f"`tau`: from the {eng} draft's match vectors over all prompts. `measured`: "

@@ -10,7 +10,8 @@ forks), HF beam search, speculative decoding with one draft path, HF assisted ge
 same draft, HF prompt lookup, multi-draft speculative decoding (model draft + n-gram paths).
 Every row runs on every prompt, rows interleaved per prompt so that load from other processes
 falls on all rows alike; each row is warmed up once first. Numbers are medians over prompts.
-Prompts alternate between the sets, and the run stops taking new prompts when the next one would
+Prompts are spread evenly over each file (8 MT-bench prompts: one per category) and alternate
+between the sets, and the run stops taking new prompts when the next one would
 pass --budget-min (10 for --quick, 60 otherwise), so the time limit holds on a slow machine; the
 table says how many prompts ran.
 Writes table.md, table.json, throughput_memory.png and tau_distribution.png under --out.
@@ -52,7 +53,7 @@ def _args(argv):
                         "model alias/path sharing the target's tokenizer")
     p.add_argument("--prompts", choices=["mtbench", "humaneval", "both"], default="both")
     p.add_argument("--prompts-per-set", type=int, default=None,
-                   help="prompts taken from each set, in file order (default 8; --quick 3)")
+                   help="prompts taken from each set, spread evenly over the file (default 8; --quick 3)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 128; --quick 48")
     p.add_argument("--quick", action="store_true",
                    help="3 prompts per set, 48 new tokens, 10-minute budget")
@@ -296,7 +297,8 @@ def load_draft(arg: str, target: str, hf):
 def load_prompt_set(a) -> list[dict]:
     from specfork.prompts import load_prompts
     names = list(SETS) if a.prompts == "both" else [a.prompts]
-    sets = [[dict(p, set=name) for p in load_prompts(name, a.prompts_per_set)] for name in names]
+    sets = [[dict(p, set=name) for p in load_prompts(name, a.prompts_per_set, spread=True)]
+            for name in names]
     return [p for group in zip_longest(*sets) for p in group if p]     # alternate the sets
 
 
@@ -710,7 +712,8 @@ def _run(a, command: str, t_start: float, host: dict) -> int:
                    "device": str(hf.device), "max_new_tokens": a.max_new_tokens,
                    "prompt_sets": a.prompts, "prompts_per_set": a.prompts_per_set,
                    "prompt_counts": " + ".join(f"{n} {SETS[s]}" for s, n in counts.items() if n)
-                   + (" prompt" if len(prompts) == 1 else " prompts"),
+                   + (" prompt" if len(prompts) == 1 else " prompts")
+                   + " (spread evenly over each file)",
                    "prompt_ids": [p["id"] for p in prompts], "prompts_planned": planned,
                    "budget_min": a.budget_min, "beams": a.beams,
                    "draft_paths": a.paths, "draft_len": a.draft_len,

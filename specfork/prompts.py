@@ -41,9 +41,14 @@ def _load(name: str) -> list[dict]:
     return [{"id": r["task_id"], "text": r["prompt"], "kind": kind} for r in ds]
 
 
-def load_prompts(name: str, n: int | None = None) -> list[dict]:
+def load_prompts(name: str, n: int | None = None, spread: bool = False) -> list[dict]:
     """The first `n` prompts (all if None) of "mtbench", "humaneval", or "both" (interleaved, so
-    any prefix mixes chat and code), each {"id", "text", "kind"} in file order."""
+    any prefix mixes chat and code), each {"id", "text", "kind"} in file order.
+
+    `spread`: `n` prompts evenly spaced over the file instead of its first `n`. Benchmarks use
+    it: MT-bench is sorted by category (writing, roleplay, reasoning, math, coding, extraction,
+    STEM, humanities; 10 each), so its first 10 are all writing, the least predictable kind,
+    while 8 spread prompts take one of each."""
     if name == "both":
         a, b = _load("mtbench"), _load("humaneval")
         k = min(len(a), len(b))
@@ -52,4 +57,16 @@ def load_prompts(name: str, n: int | None = None) -> list[dict]:
         rows = _load(name)
     else:
         raise ValueError(f"unknown prompt set {name!r}; expected one of {[*SOURCES, 'both']}")
-    return rows if n is None else rows[:n]
+    if n is None:
+        return rows
+    if spread and n < len(rows):
+        return [rows[i * len(rows) // n] for i in range(n)]
+    return rows[:n]
+
+
+def mtbench_categories() -> dict[str, str]:
+    """MT-bench prompt id -> its category (writing, roleplay, ..., humanities)."""
+    import datasets
+
+    ds = datasets.load_dataset("json", data_files=str(locate("mtbench")), split="train")
+    return {f"mtbench/{r['question_id']}": r["category"] for r in ds}

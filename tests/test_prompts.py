@@ -61,3 +61,15 @@ def test_offline_and_packages_not_imported():
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_spread_takes_every_mtbench_category():
+    category = prompts.mtbench_categories()
+    assert len(category) == 80 and len(set(category.values())) == 8
+    rows = load_prompts("mtbench", 8, spread=True)
+    assert [r["id"] for r in rows] == [f"mtbench/{81 + 10 * i}" for i in range(8)]
+    assert len({category[r["id"]] for r in rows}) == 8
+    assert len({category[r["id"]] for r in load_prompts("mtbench", 10)}) == 1   # the first 10
+    he = load_prompts("humaneval", 4, spread=True)
+    assert [r["id"] for r in he] == ["HumanEval/0", "HumanEval/41", "HumanEval/82", "HumanEval/123"]
+    assert load_prompts("humaneval", 500, spread=True) == load_prompts("humaneval")
