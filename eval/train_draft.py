@@ -243,27 +243,6 @@ CHAT_TEMPLATES += [   # longer, more specific requests: writing, roleplay, reaso
     "Rank these from most to least important for a beginner who wants to {goal}, and justify "
     "your ranking: practice, equipment, a teacher, motivation.",
 ]
-CHAT_TEMPLATES += [   # science, humanities, puzzles and extraction: the kinds the draft knew least
-    "Explain the science behind {t}, including any key equations or quantities.",
-    "Design a simple experiment to test a hypothesis about {t}. Describe the method and what "
-    "result would support the hypothesis.",
-    "What physical, chemical or biological processes are involved in {t}? Explain step by step.",
-    "Discuss the ethical questions raised by {t}, giving arguments on more than one side.",
-    "How have historians or philosophers thought about {t}? Contrast two points of view.",
-    "Analyse how {t} has shaped culture and society, with concrete examples.",
-    "If {a} workers build {a} walls in {b} days, how many days do {c} workers need to build {c} "
-    "walls? Explain.",
-    "{name} walks {a} km north, then {b} km east, then {a} km south. How far is {name} from "
-    "the starting point, and in which direction?",
-    "Which one does not belong with the others: {item}, {item2}, {item3} or {place}? Explain "
-    "your choice.",
-    "{name} always tells the truth and {name2} always lies. {name2} says that {name} is a "
-    "{role}. What can we conclude? Reason carefully.",
-    "Turn these notes into a table with the columns name, place and job: {name} ({place}, "
-    "{role}); {name2} ({place2}, teacher); {name3} ({place}, student).",
-    "From the sentence '{name} paid ${a}0 for {b} {item} in {place} on a rainy Monday', extract "
-    "the person, the amount, the quantity, the item, the place and the day as JSON.",
-]
 CONSTRAINTS = ["Answer in exactly three paragraphs.", "Keep it under 120 words.",
                "Use a numbered list.", "Include a concrete example.",
                "Write it in the style of a newspaper article.",
@@ -278,8 +257,6 @@ TEXT_TEMPLATES = [
     "Explain the following documentation to a beginner:\n\n{doc}",
     "What are the key points of this passage?\n\n{doc}",
     "Write three questions a student might ask about this text:\n\n{doc}",
-    "Extract every technical term in this passage and return them as a JSON list:\n\n{doc}",
-    "Rewrite this passage as a short bulleted list of facts:\n\n{doc}",
 ]
 CODE_TEMPLATES = [
     "{code}", "{code}", "{code}",
