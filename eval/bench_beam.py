@@ -1,7 +1,7 @@
 """Beam search on the KV tree vs sequential greedy vs naive beams vs HF: peak KV bytes, speed,
 and HF parity on MT-bench prompts. Everything reported is measured from the pool or a clock.
 
-    python eval/bench_beam.py --prompts 8 --widths 2,4 --out results/beam_memory.json
+    python eval/bench_beam.py --prompts 6 --widths 2,4 --out results/beam_memory.json
 
 Memory: `pool.peak_bytes` over the whole request (prefill included), greedy from
 `SpecDecoder.generate`, at the default block size (one token: the peak is the number of
@@ -106,7 +106,7 @@ def speed(dec, hf, prompts, W, n, reps, with_hf):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=8, help="MT-bench prompts, spread over the file")
+    ap.add_argument("--prompts", type=int, default=6, help="first N MT-bench prompts")
     ap.add_argument("--widths", default="2,4")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--speed-prompts", type=int, default=2)
@@ -123,7 +123,7 @@ def main(argv=None):
     hf, tok = load_hf("smollm2-135m", dtype=torch.float32, device="cpu")
     model = Model(hf)
     dec, dec16 = SpecDecoder(model, tok), SpecDecoder(model, tok, block_size=16)
-    prompts = load_prompts("mtbench", a.prompts, spread=True)     # 8: one per category
+    prompts = load_prompts("mtbench", a.prompts)
     widths = [int(w) for w in a.widths.split(",")]
     mem = memory_and_parity(dec, dec16, hf, prompts, widths, a.max_new_tokens, not a.no_hf)
     spd = speed(dec, hf, prompts[:a.speed_prompts], max(widths), a.max_new_tokens, a.reps,
