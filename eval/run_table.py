@@ -53,7 +53,8 @@ def _args(argv):
                         "model alias/path sharing the target's tokenizer")
     p.add_argument("--prompts", choices=["mtbench", "humaneval", "both"], default="both")
     p.add_argument("--prompts-per-set", type=int, default=None,
-                   help="prompts taken from each set, spread evenly over the file (default 8; --quick 3)")
+                   help="prompts taken from each set, spread evenly over the file "
+                        "(default 8; --quick 3)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 128; --quick 48")
     p.add_argument("--quick", action="store_true",
                    help="3 prompts per set, 48 new tokens, 10-minute budget")

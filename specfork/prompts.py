@@ -47,7 +47,7 @@ def load_prompts(name: str, n: int | None = None, spread: bool = False) -> list[
 
     `spread`: `n` prompts evenly spaced over the file instead of its first `n`. Benchmarks use
     it: MT-bench is sorted by category (writing, roleplay, reasoning, math, coding, extraction,
-    STEM, humanities; 10 each), so its first 10 are all writing, the least predictable kind,
+    STEM, humanities; 10 each), so its first 10 are all writing prompts,
     while 8 spread prompts take one of each."""
     if name == "both":
         a, b = _load("mtbench"), _load("humaneval")
