@@ -13,7 +13,7 @@ The shipped draft (85 min on the 2-core dev machine; weights/train_info.json):
 It stopped generating after 5888 sequences (625988 target tokens in training, 235 sequences
 held out), fitted a 2172-step schedule to the 33 minutes and was cut at step 1861 (3.5 epochs);
 the same data and schedule without the clock:
-`all --threads 2 --prompts 8000 --seqs 5888 --steps 2172 --stop-at 1861`.
+`all --threads 2 --prompts 8000 --seqs 5888 --batch 128 --steps 2172 --stop-at 1861`.
 
 The draft is an ordinary LlamaForCausalLM with the target's width and `--init-layers` decoder
 layers copied from the target (default its first three: with the last one, 0,29, it starts at 0%
@@ -556,7 +556,7 @@ def train(args) -> None:
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
     per_epoch = len(batches(rows, args.batch_tokens, random.Random(0)))
     steps = args.steps or math.ceil(args.epochs * per_epoch / args.accum)
-    stop = args.stop_at or steps                  # a rerun of a run the clock cut short
+    stop = min(steps, args.stop_at or steps)      # a rerun of a run the clock cut short
     sched = get_cosine_schedule_with_warmup(opt, min(50, steps // 10), steps)
     a0 = agreement(draft, val, args.batch_tokens)
     print(f"train: {len(rows)} seqs ({sum(len(r['topi']) for r in rows)} labelled tokens), "
@@ -564,7 +564,7 @@ def train(args) -> None:
           file=sys.stderr, flush=True)
     gen = torch.Generator().manual_seed(args.seed)
     t0, step, micro, log = time.perf_counter(), 0, 0, []
-    while step < min(steps, stop):
+    while step < stop:
         for mb in batches(rows, args.batch_tokens, rng):
             loss, agree, n = draft_loss(draft, mb, args.hard_weight, args.negatives, gen)
             (loss / args.accum).backward()
@@ -589,7 +589,7 @@ def train(args) -> None:
             if step % 20 == 0 or step == steps:
                 print(f"step {step}/{steps} loss {loss.item():.3f} agree {agree / n:.3f} "
                       f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-            if step >= min(steps, stop) or time.perf_counter() - t0 > args.minutes * 60:
+            if step >= stop or time.perf_counter() - t0 > args.minutes * 60:
                 break
         if time.perf_counter() - t0 > args.minutes * 60:
             print("train: time limit reached", file=sys.stderr)
