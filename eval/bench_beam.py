@@ -1,12 +1,14 @@
 """Beam search on the KV tree vs sequential greedy vs naive beams vs HF: peak KV bytes, speed,
 and HF parity on MT-bench prompts. Everything reported is measured from the pool or a clock.
 
-    python eval/bench_beam.py --prompts 6 --widths 2,4 --out results/beam_memory.json
+    python eval/bench_beam.py --prompts 16 --threads 2 --out results/beam_memory.json
 
 Memory: `pool.peak_bytes` over the whole request (prefill included), greedy from
 `SpecDecoder.generate`, at the default block size (one token: the peak is the number of
 distinct tokens the live beams hold, the floor for any exact beam search) and again at 16-token
 blocks (greedy and beams alike), where every beam also pays its partial tail block.
+The floor is also measured on HF: a logits processor reads the beams HF forwards at each step
+(`hf_floor_tokens`), so "ours holds no more than it must" is checked on the peer's trajectory.
 Speed: greedy and beam runs interleaved, median over repetitions, wall clock and process CPU
 time (the CPU is shared; CPU time shows the work, wall time what a user waits).
 """
@@ -33,10 +35,16 @@ def timed(fn):
 
 
 def hf_beam(hf, ids, W, n):
+    """HF's best sequence, its score, and the most distinct generated tokens its live beams held."""
+    from transformers import LogitsProcessorList
+
+    from specfork.search import LiveTokenPeak
+    live = LiveTokenPeak(len(ids))
     with torch.no_grad():
         o = hf.generate(torch.tensor([ids]), num_beams=W, do_sample=False, max_new_tokens=n,
-                        return_dict_in_generate=True, output_scores=True)
-    return o.sequences[0, len(ids):].tolist(), float(o.sequences_scores[0])
+                        return_dict_in_generate=True, output_scores=True,
+                        logits_processor=LogitsProcessorList([live]))
+    return o.sequences[0, len(ids):].tolist(), float(o.sequences_scores[0]), live.peak
 
 
 def memory_and_parity(dec, dec16, hf, prompts, widths, n, parity):
@@ -65,11 +73,31 @@ def memory_and_parity(dec, dec16, hf, prompts, widths, n, parity):
                    "naive_same_tokens": naive.token_ids == fork.token_ids,
                    "block16_same_tokens": b16.token_ids == fork.token_ids}
             if parity:
-                h, hs = hf_beam(hf, ids, W, n)
-                row.update(hf_equal=h == fork.token_ids, score=fork.stats["score"], hf_score=hs)
+                h, hs, live = hf_beam(hf, ids, W, n)
+                row.update(hf_equal=h == fork.token_ids, score=fork.stats["score"], hf_score=hs,
+                           hf_floor_tokens=len(ids) + live,
+                           hf_floor_ratio=(len(ids) + live) / row["greedy_tokens"])
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
+
+
+def width_summary(rows: list[dict]) -> dict:
+    """Per-width memory summary; the total ratio weighs prompts by their greedy bytes."""
+    med = statistics.median
+    out = {"fork_ratio_median": med(r["fork_ratio"] for r in rows),
+           "fork_ratio_max": max(r["fork_ratio"] for r in rows),
+           "fork_ratio_total": sum(r["fork_peak_bytes"] for r in rows)
+           / sum(r["greedy_peak_bytes"] for r in rows),
+           "naive_ratio_median": med(r["naive_ratio"] for r in rows),
+           "fork_within_1.15": sum(r["fork_ratio"] <= 1.15 for r in rows),
+           "block16_ratio_median": med(r["block16_ratio"] for r in rows),
+           "hf_equal": sum(r.get("hf_equal", False) for r in rows),
+           "prompts": len(rows)}
+    if all("hf_floor_tokens" in r for r in rows):
+        out["fork_at_hf_floor"] = sum(r["fork_tokens"] == r["hf_floor_tokens"] for r in rows)
+        out["hf_floor_within_1.15"] = sum(r["hf_floor_ratio"] <= 1.15 for r in rows)
+    return out
 
 
 def speed(dec, hf, prompts, W, n, reps, with_hf):
@@ -106,7 +134,8 @@ def speed(dec, hf, prompts, W, n, reps, with_hf):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=6, help="first N MT-bench prompts")
+    ap.add_argument("--prompts", type=int, default=16,
+                    help="N MT-bench prompts spread evenly over the file (its 8 categories)")
     ap.add_argument("--widths", default="2,4")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--speed-prompts", type=int, default=2)
@@ -123,20 +152,13 @@ def main(argv=None):
     hf, tok = load_hf("smollm2-135m", dtype=torch.float32, device="cpu")
     model = Model(hf)
     dec, dec16 = SpecDecoder(model, tok), SpecDecoder(model, tok, block_size=16)
-    prompts = load_prompts("mtbench", a.prompts)
+    prompts = load_prompts("mtbench", a.prompts, spread=True)
     widths = [int(w) for w in a.widths.split(",")]
     mem = memory_and_parity(dec, dec16, hf, prompts, widths, a.max_new_tokens, not a.no_hf)
     spd = speed(dec, hf, prompts[:a.speed_prompts], max(widths), a.max_new_tokens, a.reps,
                 not a.no_hf)
     med = statistics.median
-    summary = {f"W{W}": {
-        "fork_ratio_median": med(r["fork_ratio"] for r in mem if r["num_beams"] == W),
-        "fork_ratio_max": max(r["fork_ratio"] for r in mem if r["num_beams"] == W),
-        "naive_ratio_median": med(r["naive_ratio"] for r in mem if r["num_beams"] == W),
-        "fork_within_1.15": sum(r["fork_ratio"] <= 1.15 for r in mem if r["num_beams"] == W),
-        "block16_ratio_median": med(r["block16_ratio"] for r in mem if r["num_beams"] == W),
-        "hf_equal": sum(r.get("hf_equal", False) for r in mem if r["num_beams"] == W),
-        "prompts": sum(1 for r in mem if r["num_beams"] == W)} for W in widths}
+    summary = {f"W{W}": width_summary([r for r in mem if r["num_beams"] == W]) for W in widths}
     summary["speed_wall_ratio_median"] = med(r["wall_ratio"] for r in spd)
     summary["speed_cpu_ratio_median"] = med(r["cpu_ratio"] for r in spd)
     if not a.no_hf:

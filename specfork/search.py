@@ -92,6 +92,26 @@ def _beam_step(st: _State, logp: torch.Tensor, cur: int, max_new: int, eos: torc
         list(zip(cand, top_lp.tolist(), hits.tolist()))
 
 
+def live_tokens(seqs: list[list[int]]) -> int:
+    """Distinct generated tokens that running beams `seqs` hold: the nodes of their prefix trie.
+    A forward over these beams reads the K/V of every one, so no exact beam search can keep
+    fewer past the prompt: the floor for the peak of fork search at one-token blocks."""
+    return len({tuple(s[:i + 1]) for s in seqs for i in range(len(s))})
+
+
+class LiveTokenPeak:
+    """A logits processor for HF `generate(num_beams=W)` that measures the same floor on the
+    peer: at every step it sees the running beams HF just forwarded and keeps the most distinct
+    generated tokens they held (`peak`), so our peak can be checked against HF's trajectory."""
+
+    def __init__(self, prompt_len: int):
+        self.prompt_len, self.peak = prompt_len, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.peak = max(self.peak, live_tokens(input_ids[:, self.prompt_len:].tolist()))
+        return scores
+
+
 def _regroup(kv: KVTree, old: list[Branch], parents: list[int], naive: bool,
              made: list[Branch]) -> list[Branch]:
     """Branches of the new beams. A parent's first child continues in the parent's branch, the

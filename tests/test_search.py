@@ -3,12 +3,12 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, LogitsProcessorList
 
 from specfork.decoder import SpecDecoder
 from specfork.errors import SpecforkError
 from specfork.model import Model
-from specfork.search import beam_search
+from specfork.search import LiveTokenPeak, beam_search
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -31,10 +31,13 @@ def _prompt_and_eos(model, seed):
 
 
 def _hf_beam(hf, ids, W, n, **kw):
+    """HF's best sequence and score, and the most distinct generated tokens its beams held."""
+    live = LiveTokenPeak(len(ids))
     with torch.no_grad():
         o = hf.generate(torch.tensor([ids]), num_beams=W, do_sample=False, max_new_tokens=n,
-                        return_dict_in_generate=True, output_scores=True, **kw)
-    return o.sequences[0, len(ids):].tolist(), float(o.sequences_scores[0])
+                        return_dict_in_generate=True, output_scores=True,
+                        logits_processor=LogitsProcessorList([live]), **kw)
+    return o.sequences[0, len(ids):].tolist(), float(o.sequences_scores[0]), live.peak
 
 
 @pytest.mark.parametrize("seed,W,lp,es", [(0, 2, 1.0, False), (0, 4, 1.0, False),
@@ -47,9 +50,11 @@ def test_tiny_matches_hf_beam_search(tiny, seed, W, lp, es):
     dec = SpecDecoder(model, None, eos_token_ids=[eos])
     res = beam_search(dec, prompt, num_beams=W, max_new_tokens=24, length_penalty=lp,
                       early_stopping=es)
-    ref, ref_score = _hf_beam(hf, prompt, W, 24, eos_token_id=eos, pad_token_id=0,
-                              length_penalty=lp, early_stopping=es)
+    ref, ref_score, hf_live = _hf_beam(hf, prompt, W, 24, eos_token_id=eos, pad_token_id=0,
+                                       length_penalty=lp, early_stopping=es)
     assert res.token_ids == ref
+    # one-token blocks: our peak is the prompt plus what HF's own live beams held at their fullest
+    assert res.stats["kv_peak_bytes"] == (len(prompt) + hf_live) * dec.pool.block_bytes
     # fp32 sums of up to 24 log-probs from another GEMM (oneDNN-packed): ~1e-7 relative apart,
     # magnified by the length penalty (lp=-1 multiplies the sum by the length)
     assert res.stats["score"] == pytest.approx(ref_score, rel=1e-6, abs=1e-5)
@@ -180,14 +185,17 @@ def fork_run(smol_dec, mt_prompts):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pi,W", [(0, 2), (0, 4), (1, 4)])
-def test_embedded_matches_hf_beam_search(smol, fork_run, pi, W):
+def test_embedded_matches_hf_beam_search(smol, smol_dec, fork_run, pi, W):
     """64 new tokens, HF defaults (length_penalty=1, early_stopping=False). A divergence is
     accepted only where it traces to a numerical near-tie, and then it is asserted as such."""
     res = fork_run(pi, W)
-    ref, ref_score = _hf_beam(smol[0], res.prompt_token_ids, W, 64)
+    ids = res.prompt_token_ids
+    ref, ref_score, hf_live = _hf_beam(smol[0], ids, W, 64)
     assert res.stats["kv_blocks_leaked"] == 0
     if res.token_ids == ref:
         assert res.stats["score"] == pytest.approx(ref_score, abs=NEAR_TIE)
+        # the same trajectory, so the same floor: HF's live beams held what ours held
+        assert res.stats["kv_peak_bytes"] == (len(ids) + hf_live) * smol_dec.pool.block_bytes
     else:
         step, gap = _first_divergence(res, ref)
         assert 0 <= gap < NEAR_TIE, f"diverged from HF at step {step} by {gap} (not a near-tie)"
