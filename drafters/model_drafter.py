@@ -59,8 +59,8 @@ class ModelDrafter:
         self.fork_tokens: list[list[int]] = []
 
     @classmethod
-    def load(cls, name: str, target_model: Model | None = None,
-             min_conf: float = MIN_CONF) -> "ModelDrafter":
+    def load(cls, name: str, target_model: Model | None = None, min_conf: float = MIN_CONF,
+             max_paths: int = 8, max_len: int = 16) -> "ModelDrafter":
         from specfork.models import load_hf, resolve
         if target_model is not None and resolve(name) == getattr(target_model.hf, "name_or_path",
                                                                  None):
@@ -72,7 +72,8 @@ class ModelDrafter:
         if target_model is not None and model.vocab_size != target_model.vocab_size:
             raise SpecforkError(f"draft '{name}' has vocabulary {model.vocab_size}, the target "
                                 f"{target_model.vocab_size}: a draft must share the tokenizer")
-        return cls(model, name=f"model:{name}", min_conf=min_conf)
+        return cls(model, name=f"model:{name}", min_conf=min_conf,
+                   max_paths=max(8, max_paths), max_len=max(16, max_len))
 
     # -- protocol -------------------------------------------------------------------------------
     def begin(self, prompt_ids: list[int]) -> None:

@@ -10,9 +10,11 @@ DEFAULTS = {"smollm2-135m": "ngram,trained"}
 
 
 def make_drafters(spec: str | None, target: str, model, drafts: int,
-                  min_conf: float | None = None, draft_vocab: int | None = None) -> list:
+                  min_conf: float | None = None, draft_vocab: int | None = None,
+                  draft_len: int = 4) -> list:
     """`min_conf` (None: the model drafter's default) sets when model-draft paths stop;
-    `draft_vocab` how many output rows the trained draft keeps (None: its default, 0: all)."""
+    `draft_vocab` how many output rows the trained draft keeps (None: its default, 0: all).
+    Model drafters get KV room for `drafts` paths of `draft_len` tokens."""
     from specfork.drafters.model_drafter import MIN_CONF, check_min_conf
     min_conf = MIN_CONF if min_conf is None else min_conf
     check_min_conf(min_conf)
@@ -27,9 +29,10 @@ def make_drafters(spec: str | None, target: str, model, drafts: int,
             if not arg:
                 raise SpecforkError("drafter 'model' needs a model: model:ID_OR_PATH")
             from specfork.drafters.model_drafter import ModelDrafter
-            out.append(ModelDrafter.load(arg, target_model=model, min_conf=min_conf))
+            out.append(ModelDrafter.load(arg, target_model=model, min_conf=min_conf,
+                                         max_paths=drafts, max_len=draft_len))
         elif kind == "trained":
-            out.append(trained_drafter(model, min_conf, draft_vocab))
+            out.append(trained_drafter(model, min_conf, draft_vocab, drafts, draft_len))
         else:
             raise SpecforkError(f"unknown drafter '{kind}' (use ngram, trained or "
                                 "model:ID_OR_PATH)")
@@ -38,7 +41,8 @@ def make_drafters(spec: str | None, target: str, model, drafts: int,
     return out
 
 
-def trained_drafter(model, min_conf: float | None = None, draft_vocab: int | None = None):
+def trained_drafter(model, min_conf: float | None = None, draft_vocab: int | None = None,
+                    max_paths: int = 8, max_len: int = 16):
     """The shipped distilled draft of the embedded target; fp16 on CPU, where it is cheapest;
     its output layer keeps the `draft_vocab` (None: DRAFT_VOCAB; 0: every) most frequent
     target tokens plus the request's own."""
@@ -53,4 +57,5 @@ def trained_drafter(model, min_conf: float | None = None, draft_vocab: int | Non
     dt = torch.float16 if model.device.type == "cpu" else model.dtype
     return ModelDrafter(Model(load_trained_draft(model.hf, dtype=dt)), name="trained",
                         min_conf=MIN_CONF if min_conf is None else min_conf,
-                        vocab=load_vocab(k) if k else None)
+                        vocab=load_vocab(k) if k else None,
+                        max_paths=max(8, max_paths), max_len=max(16, max_len))

@@ -25,7 +25,8 @@ def _args(argv):
     g.add_argument("--drafter", default=None,
                    help="drafter mix, comma separated: ngram, trained, model:ID_OR_PATH "
                         "(default: the target's default draft)")
-    g.add_argument("--draft-len", type=int, default=4, help="most tokens per draft path")
+    g.add_argument("--draft-len", type=int, default=None,
+                   help="most tokens per draft path (default 4)")
     g.add_argument("--min-conf", type=float, default=None,
                    help="a model-draft path stops once the draft's probability of it falls "
                         "below this (default 0.3; 0 drafts every path to --draft-len)")
@@ -42,7 +43,7 @@ def _args(argv):
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--beams", type=int, default=0, help="beam search width (CoW fork search)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    g.add_argument("--device", default=None)
+    g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     g.add_argument("--raw", action="store_true", help="no chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
@@ -60,23 +61,41 @@ def _prompt(a) -> str:
 def generate(a) -> int:
     import torch
 
-    from specfork.decoder import SpecDecoder, check_sampling
+    from specfork.decoder import MAX_DRAFT_LEN, MAX_PATHS, SpecDecoder, check_sampling
     from specfork.errors import SpecforkError
-    if a.drafts < 0:
-        raise SpecforkError(f"--drafts must be >= 0, got {a.drafts}")
-    if a.draft_len <= 0:
-        raise SpecforkError(f"--draft-len must be positive, got {a.draft_len}")
+    from specfork.models import check_device
+    drafting = {"--drafter": a.drafter, "--draft-len": a.draft_len, "--min-conf": a.min_conf,
+                "--draft-vocab": a.draft_vocab}
+    sampling = {"--temperature": a.temperature or None, "--top-p": a.top_p, "--top-k": a.top_k,
+                "--seed": a.seed}
     if a.beams < 0:
         raise SpecforkError(f"--beams must be >= 0, got {a.beams}")
+    if a.beams:
+        given = [k for k, v in {**sampling, "--drafts": a.drafts or None}.items()
+                 if v is not None]
+        if given:
+            raise SpecforkError(f"--beams is greedy beam search: drop {', '.join(given)}")
+    if not 0 <= a.drafts <= MAX_PATHS:
+        raise SpecforkError(f"--drafts must be in [0, {MAX_PATHS}], got {a.drafts}")
+    given = [k for k, v in drafting.items() if v is not None]
+    if a.drafts == 0 and given:
+        raise SpecforkError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} "
+                            "only with --drafts N (N >= 1)")
+    draft_len = 4 if a.draft_len is None else a.draft_len
+    if not 1 <= draft_len <= MAX_DRAFT_LEN:
+        raise SpecforkError(f"--draft-len must be in [1, {MAX_DRAFT_LEN}], got {draft_len}")
+    check_device(a.device)
     if a.min_conf is not None and not 0.0 <= a.min_conf <= 1.0:
         raise SpecforkError(f"--min-conf must be in [0, 1], got {a.min_conf}")
     if a.draft_vocab is not None and a.draft_vocab < 0:
         raise SpecforkError(f"--draft-vocab must be >= 0, got {a.draft_vocab}")
-    check_sampling(a.max_new_tokens, a.temperature, a.top_p, a.top_k)
+    check_sampling(a.max_new_tokens, a.temperature, a.top_p, a.top_k, a.seed)
     prompt = _prompt(a)
+    if not prompt.strip():
+        raise SpecforkError("the prompt is empty")
     dtype = getattr(torch, a.dtype) if a.dtype else None
     dec = SpecDecoder.from_pretrained(target=a.target, drafts=a.drafts, drafter=a.drafter,
-                                      draft_len=a.draft_len, dtype=dtype, device=a.device,
+                                      draft_len=draft_len, dtype=dtype, device=a.device,
                                       min_conf=a.min_conf, draft_vocab=a.draft_vocab)
     tok = dec.tokenizer
     if a.beams:
@@ -102,8 +121,8 @@ def generate(a) -> int:
                           "prompt_token_ids": res.prompt_token_ids, "stats": res.stats}))
     elif a.beams:
         print(res.text)
-    else:
-        sys.stdout.write("\n")
+    else:                       # what the stream held back (a character cut at the end)
+        sys.stdout.write(res.text[len(shown["text"]):] + "\n")
         s = res.stats
         print(f"[{s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, "
               f"{s['target_forwards']} target forwards, tau {s['mean_accepted']:.2f}]",

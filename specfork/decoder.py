@@ -3,6 +3,7 @@ KV-tree commit/free. With no drafter it is plain sequential decoding on the same
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -27,15 +28,34 @@ class GenerateOutput:
     stats: dict = field(default_factory=dict)
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_p, top_k) -> None:
+MAX_PATHS = MAX_DRAFT_LEN = 64       # beyond these a verify tree outgrows any useful budget
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_p, top_k,
+                   seed: int | None = None) -> None:
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise SpecforkError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
-    if temperature is None or temperature < 0:
-        raise SpecforkError(f"temperature must be >= 0, got {temperature}")
+    if temperature is None or not math.isfinite(temperature) or temperature < 0:
+        raise SpecforkError(f"temperature must be a finite number >= 0, got {temperature}")
     if top_p is not None and not 0 < top_p <= 1:
         raise SpecforkError(f"top_p must be in (0, 1], got {top_p}")
     if top_k is not None and top_k <= 0:
         raise SpecforkError(f"top_k must be a positive integer, got {top_k}")
+    if seed is not None and not 0 <= seed < 2 ** 64:
+        raise SpecforkError(f"seed must be in [0, 2**64), got {seed}")
+
+
+def check_drafting(num_paths: int, draft_len: int) -> None:
+    if not 0 <= num_paths <= MAX_PATHS:
+        raise SpecforkError(f"draft paths must be in [0, {MAX_PATHS}], got {num_paths}")
+    if not 1 <= draft_len <= MAX_DRAFT_LEN:
+        raise SpecforkError(f"draft length must be in [1, {MAX_DRAFT_LEN}], got {draft_len}")
+
+
+def check_token_ids(ids: list[int], vocab_size: int) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise SpecforkError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
 
 
 class SpecDecoder:
@@ -45,6 +65,7 @@ class SpecDecoder:
                  num_paths: int = 0, draft_len: int = 4, tree_budget: int | None = None,
                  max_kv_tokens: int | None = None, block_size: int | None = None,
                  eos_token_ids: list[int] | None = None):
+        check_drafting(num_paths, draft_len)
         self.model, self.tokenizer = model, tokenizer
         self.drafters = list(drafters or [])
         self.num_paths = num_paths if self.drafters else 0
@@ -76,12 +97,15 @@ class SpecDecoder:
         from specfork.models import load_hf
         hf, tok = load_hf(target, dtype=dtype, device=device)
         model = Model(hf)
-        drafters = (make_drafters(drafter, target, model, drafts, min_conf, draft_vocab)
-                    if drafts > 0 else [])
+        check_drafting(drafts, draft_len)
+        drafters = (make_drafters(drafter, target, model, drafts, min_conf, draft_vocab,
+                                  draft_len=draft_len) if drafts > 0 else [])
         return cls(model, tok, drafters, num_paths=drafts, draft_len=draft_len, **kw)
 
     # -- input ----------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int], raw: bool = False) -> list[int]:
+        if isinstance(prompt, str) and not prompt.strip():
+            raise SpecforkError("the prompt is empty")
         if not isinstance(prompt, str) or self.tokenizer is None:
             ids = [int(t) for t in prompt]
         elif not raw and getattr(self.tokenizer, "chat_template", None):
@@ -92,10 +116,7 @@ class SpecDecoder:
             ids = self.tokenizer(prompt)["input_ids"]
         if not ids:
             raise SpecforkError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
-        if bad:
-            raise SpecforkError(f"token id {bad[0]} is outside the vocabulary "
-                                f"(size {self.model.vocab_size})")
+        check_token_ids(ids, self.model.vocab_size)
         return list(ids)
 
     # -- the loop -------------------------------------------------------------------------------
@@ -103,7 +124,7 @@ class SpecDecoder:
                  temperature: float = 0.0, top_p: float | None = None,
                  top_k: int | None = None, seed: int | None = None, raw: bool = False,
                  on_tokens: Callable[[list[int]], None] | None = None) -> GenerateOutput:
-        check_sampling(max_new_tokens, temperature, top_p, top_k)
+        check_sampling(max_new_tokens, temperature, top_p, top_k, seed)
         prompt_ids = self.encode(prompt, raw)
         limit = min(self.context_len, self.max_kv_tokens)
         if len(prompt_ids) + max_new_tokens > limit:
@@ -118,9 +139,9 @@ class SpecDecoder:
         self.pool.reset_peak()
         t0 = time.perf_counter()
         branch = self.kv.new_branch()
-        for d in self.drafters:
-            d.begin(prompt_ids)
         try:
+            for d in self.drafters:
+                d.begin(prompt_ids)
             out = self._run(branch, prompt_ids, max_new_tokens, sp, st, on_tokens)
         finally:
             self.kv.release(branch)
@@ -195,21 +216,30 @@ class SpecDecoder:
         paths = self._propose(context, sp)
         tree = TokenTree.build(context[-1], paths, self.tree_budget)
         leaves = tree.leaf_paths()                       # node lists root..leaf
-        forks = [kv.fork(B) for _ in leaves]             # one CoW fork of B per draft path
-        write_slots = torch.cat([kv.append(f, len(p)) for f, p in zip(forks, leaves)]).to(dev)
-        write_src = torch.tensor([i for p in leaves for i in p], device=dev)
-        prefix = kv.slots(B).to(dev)
-        table = (torch.tensor(kv.block_table(B), dtype=torch.int32, device=dev)
-                 if self.use_kernel else None)
-        T = len(tree.tokens)
-        logits = m.forward(tree.tokens.to(dev), tree.positions(n).to(dev), self.pool, prefix,
-                           write_slots, write_src,
-                           tree_mask=tree.ancestor_mask().to(dev) if T > 1 else None,
-                           block_table=table)
-        if sp.greedy:
-            path, nxt = verify_greedy(tree, logits)
-        else:
-            path, nxt = verify_sampling(tree, logits, sp)
+        forks = []                                       # one CoW fork of B per draft path
+        try:                                             # a failure (or Ctrl-C) frees them
+            writes = []
+            for p in leaves:
+                forks.append(kv.fork(B))
+                writes.append(kv.append(forks[-1], len(p)))
+            write_slots = torch.cat(writes).to(dev)
+            write_src = torch.tensor([i for p in leaves for i in p], device=dev)
+            prefix = kv.slots(B).to(dev)
+            table = (torch.tensor(kv.block_table(B), dtype=torch.int32, device=dev)
+                     if self.use_kernel else None)
+            T = len(tree.tokens)
+            logits = m.forward(tree.tokens.to(dev), tree.positions(n).to(dev), self.pool, prefix,
+                               write_slots, write_src,
+                               tree_mask=tree.ancestor_mask().to(dev) if T > 1 else None,
+                               block_table=table)
+            if sp.greedy:
+                path, nxt = verify_greedy(tree, logits)
+            else:
+                path, nxt = verify_sampling(tree, logits, sp)
+        except BaseException:
+            for f in forks:
+                kv.release(f)
+            raise
         keep = next(i for i, p in enumerate(leaves) if p[:len(path)] == path)
         for i, f in enumerate(forks):
             if i != keep:

@@ -110,11 +110,22 @@ def load_tokenizer(name: str):
         raise _missing(src) from e
 
 
+def check_device(device: str | None) -> None:
+    """cpu or cuda[:N] on a machine that has it; None picks one."""
+    if device is None:
+        return
+    if device != "cpu" and not device.startswith("cuda"):
+        raise SpecforkError(f"device '{device}' is not supported: use cpu or cuda[:N]")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecforkError(f"device '{device}' asked for, but this torch build sees no CUDA GPU")
+
+
 def load_hf(name: str, dtype: torch.dtype | None = None, device: str | None = None):
     """(transformers model in eval mode, tokenizer) from local files only."""
     from transformers import AutoModelForCausalLM
     src = resolve(name)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     kw = {"dtype": dtype, "local_files_only": True}

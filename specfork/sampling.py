@@ -23,7 +23,10 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_k: int | Non
     if temperature == 0.0:
         return torch.zeros_like(scores).scatter_(-1, scores.argmax(-1, keepdim=True), 1.0)
     if temperature != 1.0:
-        scores = scores / temperature
+        t = scores / temperature
+        if not bool(torch.isfinite(t).all()):        # a tiny temperature overflowed: shift
+            t = (scores - scores.amax(-1, keepdim=True)) / temperature   # first (same softmax)
+        scores = t
     if top_k:
         k = min(max(int(top_k), 1), scores.shape[-1])
         kth = torch.topk(scores, k, dim=-1).values[..., -1:]
@@ -40,4 +43,6 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_k: int | Non
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """One token id from a `[V]` distribution (need not be normalized)."""
+    if generator is not None and probs.device != generator.device:
+        probs = probs.to(generator.device)          # a seeded CPU generator, a GPU model
     return int(torch.multinomial(probs, 1, generator=generator).item())

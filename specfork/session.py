@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specfork.decoder import SpecDecoder
+from specfork.decoder import SpecDecoder, check_sampling, check_token_ids
 from specfork.errors import SpecforkError
-from specfork.kv_tree import Branch, KVTree
+from specfork.kv_tree import Branch, BranchReleased, KVTree
 from specfork.model import Model, causal_mask
 from specfork.sampling import probs_from_logits, sample
 
@@ -67,8 +67,13 @@ def forward_branches(model: Model, kv: KVTree, branches: list[Branch],
         seg = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
         tree = ((seg[:, None] == seg[None, :]) & causal_mask(T)).to(dev)
     idx = slice(T - 1, T) if len(branches) == 1 else last.to(dev)
-    return model.forward(tokens.to(dev), positions.to(dev), kv.pool, prefix.to(dev),
-                         write.to(dev), tree_mask=tree, prefix_mask=pmask, logits_idx=idx)
+    try:
+        return model.forward(tokens.to(dev), positions.to(dev), kv.pool, prefix.to(dev),
+                             write.to(dev), tree_mask=tree, prefix_mask=pmask, logits_idx=idx)
+    except BaseException:                       # no half-written tokens stay in the branches
+        for b, n0 in zip(branches, start):
+            kv.truncate(b, n0)
+        raise
 
 
 def copy_branch(kv: KVTree, src: Branch) -> Branch:
@@ -136,8 +141,10 @@ class Session:
 
     def extend(self, h: Handle, tokens: str | list[int]) -> Handle:
         """Append tokens (a tool result, a user turn) to a context, lazily."""
+        self._live(h)
         ids = self.tokenizer(tokens, add_special_tokens=False)["input_ids"] \
             if isinstance(tokens, str) else [int(t) for t in tokens]
+        check_token_ids(ids, self.model.vocab_size)
         if ids:
             h.tokens += ids
             h.pending += ids
@@ -147,6 +154,7 @@ class Session:
     def fork(self, h: Handle) -> Handle:
         """A new context equal to `h`. Pending tokens are computed first, so the shared part
         is computed and stored once. O(1) in the context length (unless full_copy)."""
+        self._live(h)
         self.flush([h])
         t0 = time.perf_counter_ns()
         br = copy_branch(self.kv, h.branch) if self.full_copy else self.kv.fork(h.branch)
@@ -155,11 +163,19 @@ class Session:
         return Handle(br, list(h.tokens), [], h.logits)
 
     def release(self, h: Handle) -> None:
+        self._live(h)
         self.kv.release(h.branch)
         h.logits = None
 
+    @staticmethod
+    def _live(h: Handle) -> None:
+        if not h.branch.held:
+            raise BranchReleased("this context was released")
+
     def flush(self, handles: list[Handle]) -> None:
         """Compute the pending tokens of every handle that has some, in one forward."""
+        for h in handles:
+            self._live(h)
         todo = [h for h in handles if h.pending]
         if not todo:
             return
@@ -189,8 +205,7 @@ class Session:
                       top_k: int | None = None,
                       generator: torch.Generator | None = None) -> list[list[int]]:
         """Decode on several branches at once: one forward per step for all unfinished ones."""
-        if max_new_tokens <= 0:
-            raise SpecforkError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        check_sampling(max_new_tokens, temperature, top_p, top_k)
         if len({id(h.branch) for h in handles}) != len(handles):
             raise ValueError("generate_many needs distinct handles")
         out: list[list[int]] = [[] for _ in handles]

@@ -50,6 +50,13 @@ def test_temperature_zero_is_first_argmax():
     assert p.tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
 
 
+def test_tiny_temperature_is_the_argmax_not_nan():
+    """logits / 1e-45 overflows; the softmax is taken after shifting by the max instead."""
+    logits = torch.tensor([[-3.0, -1.0, -2.0], [2.0, 5.0, 1.0]])
+    assert probs_from_logits(logits, 1e-45).tolist() == [[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]]
+    assert torch.equal(probs_from_logits(logits, 0.5), (logits / 0.5).softmax(-1))
+
+
 def test_sample_follows_probs_and_generator():
     p = torch.tensor([0.0, 0.25, 0.0, 0.75])
     draws = [sample(p, torch.Generator().manual_seed(s)) for s in range(400)]

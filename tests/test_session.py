@@ -5,7 +5,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from specfork.decoder import SpecDecoder
 from specfork.errors import SpecforkError
-from specfork.kv_tree import PoolExhausted
+from specfork.kv_tree import BranchReleased, PoolExhausted
 from specfork.model import Model
 from specfork.session import Session
 
@@ -105,6 +105,41 @@ def test_session_errors(tiny):
     with pytest.raises(PoolExhausted):               # pool of 256 tokens; nothing half-done
         s.logits(big)
     assert s.pool.used_blocks == 0 and big.branch.length == 0 and len(big.pending) == 300
+    h = s.start([1, 2])
+    with pytest.raises(SpecforkError, match="outside the vocabulary"):
+        s.extend(h, [3, 256])
+    with pytest.raises(SpecforkError, match="temperature"):
+        s.generate(h, max_new_tokens=2, temperature=-1.0)
+    assert h.tokens == [1, 2] and h.pending == [1, 2]
+    s.release(h)
+    for op in (lambda: s.extend(h, [3]), lambda: s.fork(h), lambda: s.logits(h),
+               lambda: s.release(h)):
+        with pytest.raises(BranchReleased):
+            op()
+
+
+def test_failed_forward_leaves_the_context_as_it_was(tiny, monkeypatch):
+    """A forward that fails (out of memory, Ctrl-C) writes nothing the branch keeps: the
+    pending tokens are computed by the next call, which then equals a run that never failed."""
+    s = Session(tiny, eos_token_ids=[], max_kv_tokens=256)
+    ref = s.generate(s.start(_ids(12, 3)), max_new_tokens=5)
+    h = s.start(_ids(12, 3))
+    s.logits(h)
+    s.extend(h, [9, 8])
+    used, forward = s.pool.used_blocks, tiny.forward
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(tiny, "forward", boom)
+    with pytest.raises(KeyboardInterrupt):
+        s.logits(h)
+    assert s.pool.used_blocks == used and h.branch.length == 12 and h.pending == [9, 8]
+    monkeypatch.setattr(tiny, "forward", forward)
+    h2 = s.start(_ids(12, 3))                        # the same calls, never failing
+    s.logits(h2)
+    s.extend(h2, [9, 8])
+    assert torch.equal(s.logits(h), s.logits(h2))
+    assert s.generate(s.start(_ids(12, 3)), max_new_tokens=5) == ref
 
 
 @pytest.mark.slow

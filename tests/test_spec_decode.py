@@ -10,6 +10,7 @@ from specfork.decoder import SpecDecoder
 from specfork.drafters.base import DraftPath
 from specfork.drafters.model_drafter import ModelDrafter
 from specfork.drafters.ngram import NgramDrafter
+from specfork.errors import SpecforkError
 from specfork.kv_tree import KVTree
 from specfork.model import Model, causal_mask
 from specfork.token_tree import TokenTree
@@ -94,6 +95,35 @@ def test_model_drafter_stops_paths_on_draft_confidence():
         d.end()
         assert d.pool.used_blocks == 0
     assert lens == {0.0: [4, 4, 4], 1.0: [1]}
+
+
+def test_failure_mid_generate_frees_every_fork():
+    """A verify forward that fails (here Ctrl-C on the third target forward) leaves no block
+    and no branch behind, in the target's pool or the draft's; the next request is exact."""
+    target, draft = Model(_tiny(0, 0.8)), Model(_tiny(1, 0.8))
+    md = ModelDrafter(draft, "draft", min_conf=0.0)
+    dec = SpecDecoder(target, None, [md, NgramDrafter()], num_paths=3, draft_len=3,
+                      eos_token_ids=[], max_kv_tokens=64)
+    ref = SpecDecoder(target, None, eos_token_ids=[]).generate([1, 2, 3, 1, 2], 12).token_ids
+    forward, calls = target.forward, []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return forward(*a, **k)
+    target.forward = flaky
+    with pytest.raises(KeyboardInterrupt):
+        dec.generate([1, 2, 3, 1, 2], max_new_tokens=12)
+    del target.forward
+    assert dec.pool.used_blocks == 0 and dec.kv.live_branches == 0
+    assert md.pool.used_blocks == 0 and md.kv.live_branches == 0
+    assert dec.generate([1, 2, 3, 1, 2], max_new_tokens=12).token_ids == ref
+
+
+def test_decoder_refuses_oversized_drafting():
+    with pytest.raises(SpecforkError, match="draft length"):
+        SpecDecoder(Model(_tiny(0, 0.8)), None, [NgramDrafter()], num_paths=2, draft_len=10**9)
 
 
 def test_model_drafter_vocab_head_is_the_full_head_restricted():

@@ -23,7 +23,7 @@ def residual(p: torch.Tensor, q: torch.Tensor | None, x: int) -> torch.Tensor | 
         r = p.clone()
         r[x] = 0.0
     else:
-        r = (p - q.to(p.dtype)).clamp_(min=0.0)
+        r = (p - q.to(p.device, p.dtype)).clamp_(min=0.0)
     mass = r.sum()
     return r / mass if float(mass) > 0.0 else None
 
