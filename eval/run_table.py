@@ -39,6 +39,7 @@ import torch
 MiB = 2 ** 20
 SETS = {"mtbench": "MT-bench", "humaneval": "HumanEval"}
 ROW_KEYS = ["seq", "hf_greedy", "beam_naive", "beam_fork", "hf_beam", "spec1", "hf_assisted",
+            "hf_assisted_k",
             "hf_lookup", "multi"]
 README_BEGIN, README_END = "<!-- run_table:begin -->", "<!-- run_table:end -->"
 
@@ -126,6 +127,23 @@ def weight_bytes(*models) -> int:
     return sum(seen.values())
 
 
+def engine_weight_bytes(hf_models: list, models: list, drafter=None) -> int:
+    """What our rows hold in weights: the HF weights they borrow, plus the copy of every matrix
+    our Model keeps pre-packed for oneDNN, plus a drafter's per-request vocabulary head."""
+    n = weight_bytes(*hf_models)
+    for m in {id(m): m for m in models}.values():
+        lins = [m.lm_head] + [getattr(ly, f) for ly in m.layers
+                              for f in ("qkv", "o", "gate_up", "down")]
+        n += sum(x.packed.numel() * x.packed.element_size() for x in lins if x.packed is not None)
+    if drafter is not None and getattr(drafter, "vocab", None) is not None:
+        drafter.begin([0])                       # builds the head as a request would
+        h = drafter.head
+        n += h.w.nbytes + (h.packed.numel() * h.packed.element_size() if h.packed is not None
+                           else 0)
+        drafter.end()
+    return n
+
+
 class CacheProbe:
     """Forward hook on an HF model: counts its forwards and keeps the peak size of the K/V cache
     after each one. The cache object persists across steps, so its size after a forward is what
@@ -202,6 +220,7 @@ class Row:
     check: str | None                # "greedy": must equal HF greedy; "beam": HF beam search
     error: str | None = None
     runs: dict = field(default_factory=dict)       # prompt id -> Run
+    reserved: int | None = None      # ours: bytes of the KV pools reserved up front
 
 
 def ours(dec) -> Callable[[list[int], int], Run]:
@@ -221,6 +240,12 @@ def ours(dec) -> Callable[[list[int], int], Run]:
                    s["target_forwards"], s["draft_tokens_proposed"] if spec else None,
                    s["draft_tokens_accepted"] if spec else None, steps[1:] if spec else [])
     return run
+
+
+def reserved_bytes(dec) -> int:
+    """The KV block pools a decoder (and its model drafters) allocate up front."""
+    pools = [dec.pool] + [d.pool for d in dec.drafters if hasattr(d, "pool")]
+    return sum(p.num_blocks * p.block_bytes for p in {id(p): p for p in pools}.values())
 
 
 def beams(dec, width: int, naive: bool) -> Callable[[list[int], int], Run]:
@@ -305,7 +330,7 @@ def load_prompt_set(a) -> list[dict]:
 
 def build_rows(a, model, tok, draft_hf, draft_tag: str, longest: int) -> list[Row]:
     from specfork.decoder import SpecDecoder
-    from specfork.drafters.model_drafter import ModelDrafter
+    from specfork.drafters.model_drafter import MIN_CONF, ModelDrafter
     from specfork.drafters.ngram import NgramDrafter
     from specfork.drafters.registry import trained_drafter
     from specfork.model import Model
@@ -330,35 +355,49 @@ def build_rows(a, model, tok, draft_hf, draft_tag: str, longest: int) -> list[Ro
     multi = SpecDecoder(model, tok, [NgramDrafter(), engine_draft], num_paths=a.paths,
                         draft_len=a.draft_len, max_kv_tokens=room)
     assistant = alias(draft_hf)                   # own hooks and generation config
-    probe, draft_probe = CacheProbe(hf), CacheProbe(assistant)
+    # the same draft at our drafting settings: draft_len tokens, per-token confidence cut
+    assistant_k = alias(draft_hf)
+    gk = assistant_k.generation_config
+    gk.num_assistant_tokens, gk.num_assistant_tokens_schedule = a.draft_len, "constant"
+    gk.assistant_confidence_threshold = MIN_CONF
+    probe, draft_probe, probe_k = CacheProbe(hf), CacheProbe(assistant), CacheProbe(assistant_k)
 
-    wt, wd = weight_bytes(hf), weight_bytes(hf, draft_hf)
+    wt, wd = weight_bytes(hf), weight_bytes(hf, draft_hf)             # peers: HF's weights
+    ot = engine_weight_bytes([hf], [model])                            # ours: + packed copies
+    od = engine_weight_bytes([hf, draft_hf], [model, draft_model])
+    om = engine_weight_bytes([hf, engine_draft.model.hf], [model, engine_draft.model],
+                             engine_draft)
     tag = f" [{draft_tag}]"
     W = a.beams
 
     def beam_row(key, name, naive):
         try:
-            return Row(key, name, W, False, wt, beams(beam_dec, W, naive), "beam")
+            return Row(key, name, W, False, ot, beams(beam_dec, W, naive), "beam",
+                       reserved=reserved_bytes(beam_dec))
         except ImportError as e:
-            return Row(key, name, W, False, wt, None, "beam",
+            return Row(key, name, W, False, ot, None, "beam",
                        error=f"specfork.search.beam_search is not available ({e})")
 
     rows = [
-        Row("seq", "sequential greedy (ours)", 1, False, wt, ours(seq), "greedy"),
+        Row("seq", "sequential greedy (ours)", 1, False, ot, ours(seq), "greedy",
+            reserved=reserved_bytes(seq)),
         Row("hf_greedy", "HF generate greedy (peer)", 1, True, wt, peer(hf, probe), "greedy"),
         beam_row("beam_naive", f"naive beam search, width {W} (cache copied per fork)", True),
         beam_row("beam_fork", f"fork search, width {W} (CoW forks)", False),
         Row("hf_beam", f"HF beam search, width {W} (peer)", W, True, wt,
             peer(hf, probe, num_beams=W, num_return_sequences=1, length_penalty=1.0,
                  early_stopping=False), "beam"),
-        Row("spec1", "speculative decoding, 1 draft path (ours)" + tag, 1, False, wd,
-            ours(spec1), "greedy"),
+        Row("spec1", "speculative decoding, 1 draft path (ours)" + tag, 1, False, od,
+            ours(spec1), "greedy", reserved=reserved_bytes(spec1)),
         Row("hf_assisted", "HF assisted generation, same draft (peer)" + tag, 1, True, wd,
             peer(hf, probe, draft_probe, stream=True, assistant_model=assistant), "greedy"),
+        Row("hf_assisted_k", f"HF assisted generation, same draft, {a.draft_len} tokens, "
+            f"confidence cut {MIN_CONF:g} (peer)" + tag, 1, True, wd,
+            peer(hf, probe, probe_k, stream=True, assistant_model=assistant_k), "greedy"),
         Row("hf_lookup", "HF prompt lookup decoding (peer)", 1, True, wt,
             peer(hf, probe, stream=True, prompt_lookup_num_tokens=a.lookup_tokens), "greedy"),
         Row("multi", f"multi-draft speculative decoding, {a.paths} draft paths (ours)" + tag,
-            a.paths, False, weight_bytes(hf, engine_draft.model.hf), ours(multi), "greedy"),
+            a.paths, False, om, ours(multi), "greedy", reserved=reserved_bytes(multi)),
     ]
     assert [r.key for r in rows] == ROW_KEYS
     return [r for r in rows if r.key in a.rows]
@@ -420,7 +459,9 @@ def summarize(rows: list[Row], prompts: list[dict]) -> list[dict]:
     out = []
     for r in rows:
         runs, ref = r.runs, refs[r.check]
-        pairs = [(pid, x.tokens == ref[pid].tokens) for pid, x in runs.items() if pid in ref]
+        reference = ref is r.runs                # HF greedy / HF beam: what the others match
+        pairs = [] if reference else [(pid, x.tokens == ref[pid].tokens)
+                                      for pid, x in runs.items() if pid in ref]
         same = all(m for _, m in pairs) if pairs else None
         out.append({
             "strategy": r.strategy, "key": r.key, "peer": r.peer, "branches": r.branches,
@@ -433,8 +474,10 @@ def summarize(rows: list[Row], prompts: list[dict]) -> list[dict]:
             "kv_peak_bytes": median(x.kv for x in runs.values()),
             "draft_kv_peak_bytes": median(x.draft_kv for x in runs.values()),
             "weights_bytes": r.weights,
+            "kv_reserved_bytes": r.reserved,
             "total_peak_bytes": (r.weights + median(x.kv + x.draft_kv for x in runs.values())
                                  if runs else None),
+            "reference": reference,
             "matches_hf_greedy": same if r.check == "greedy" else None,
             "matches_hf_beam": same if r.check == "beam" else None,
             "mismatched_prompts": [pid for pid, m in pairs if not m],
@@ -520,12 +563,15 @@ def markdown(res: dict) -> str:
         "",
         f"Ours: KV blocks of {c.get('kv_block_size', '?')} token(s); draft paths of up to "
         f"{c['draft_len']} tokens, a model-draft path stopping once the draft's probability of it "
-        f"falls below {c.get('draft_min_conf', '?')}; row 9 splits {c['draft_paths']} paths "
-        f"between n-gram lookup and the model draft{row9_dtype}. HF assisted: {hf_assist}. "
+        f"falls below {c.get('draft_min_conf', '?')}; row {ROW_KEYS.index('multi') + 1} splits "
+        f"{c['draft_paths']} paths "
+        f"between n-gram lookup and the model draft{row9_dtype}. HF assisted (row "
+        f"{ROW_KEYS.index('hf_assisted') + 1}): {hf_assist}, HF's own settings for this "
+        f"assistant. "
         f"HF prompt lookup: "
         f"prompt_lookup_num_tokens {c['hf_prompt_lookup_num_tokens']}.",
         "",
-        "| # | strategy | branches | KV vs sequential | KV peak (MiB) | total peak memory (MiB) "
+        "| # | strategy | branches | KV vs sequential | KV peak (MiB) | weights + KV (MiB) "
         "| tokens/s | speedup vs HF greedy | τ | acceptance | matches HF |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -537,13 +583,15 @@ def markdown(res: dict) -> str:
             continue
         ok = r["matches_hf_greedy"] if r["matches_hf_greedy"] is not None else r["matches_hf_beam"]
         which = "greedy" if r["matches_hf_greedy"] is not None else "beam"
+        verdict = ("reference" if r.get("reference") else
+                   "—" if ok is None else f"{'yes' if ok else 'NO'} ({which})")
         lines.append(
             f"| {i} | {r['strategy']} | {r['branches']} | {_f(r['kv_mem_vs_sequential'], '.2f')}× "
             f"| {_f(r['kv_peak_bytes'] and r['kv_peak_bytes'] / MiB, '.3g')} "
             f"| {_f(r['total_peak_bytes'] and r['total_peak_bytes'] / MiB, '.0f')} "
             f"| {_f(r['tokens_per_s'], '.1f')} | {_f(r['speedup_vs_hf_greedy'], '.2f')}× "
             f"| {_f(r['mean_accepted'], '.2f')} | {_f(r['acceptance_rate'], '.2f')} "
-            f"| {'—' if ok is None else ('yes' if ok else 'NO')} ({which}) |")
+            f"| {verdict} |")
     sets = list(dict.fromkeys(s for r in res["rows"] for s in r["per_set"]))
     if len(sets) > 1:
         lines += ["", "Per prompt set (median tokens/s, τ):", "",
@@ -561,13 +609,14 @@ def markdown(res: dict) -> str:
                   f"1-min load average at start {_f(m['loadavg_1m_start'], '.1f')}.",
               f"Command: `{res['command']}`", f"Date: {res['date']} (run took "
               f"{res['elapsed_s'] / 60:.1f} min)", ""]
-    ran = [r for r in res["rows"] if not r["error"]]
+    ran = [r for r in res["rows"] if not r["error"] and not r.get("reference")]
     if res["warnings"]:
         lines += ["Checks:", ""] + [f"- WARNING: {w}" for w in res["warnings"]]
     else:
-        lines.append(f"Check: all {len(ran)} rows reproduced their Hugging Face reference token "
-                     f"for token on every prompt (greedy rows: HF greedy; beam rows: HF beam "
-                     f"search).")
+        lines.append(f"Check: all {len(ran)} other rows reproduced their Hugging Face reference "
+                     f"token for token on every prompt (greedy rows: HF greedy, row "
+                     f"{ROW_KEYS.index('hf_greedy') + 1}; beam rows: HF beam search, row "
+                     f"{ROW_KEYS.index('hf_beam') + 1}).")
     return "\n".join(lines) + "\n"
 
 
@@ -578,17 +627,21 @@ HOW = """
 - **tokens/s**: new tokens / wall time of the whole call (prefill included, prompt already
   tokenized), per prompt; the median over prompts. Every row is warmed up once before timing.
 - **speedup vs HF greedy**: the row's median tokens/s ÷ HF greedy's median tokens/s.
-- **KV peak**: ours: the peak of the target's block pool during the call (`kv_peak_bytes`,
-  whole 16-token blocks, draft-path forks included). HF rows: a forward hook reads the bytes of
+- **KV peak**: ours: the peak of the target's block pool in use during the call
+  (`kv_peak_bytes`, whole blocks of `kv_block_size` tokens, draft-path forks included; the pool
+  itself is reserved up front, sized for the longest prompt, as a serving engine reserves its
+  KV memory: `kv_reserved_bytes` in table.json). HF rows: a forward hook reads the bytes of
   the `past_key_values` key/value tensors after every target forward and keeps the largest
   (beam search: num_beams × length; assisted and prompt lookup: the target's cache, candidate
   tokens included before they are cropped; transient copies made while reordering beams are not
   seen).
 - **KV vs sequential**: the row's KV peak ÷ row 1's KV peak on the same prompt; the median.
-- **total peak memory**: one process runs every row, so its RSS cannot be split per row; it is
-  computed as the bytes of the weights of the models the row uses + the row's median KV peak +
+- **weights + KV**: one process runs every row, so its RSS cannot be split per row; this is
+  computed, not measured: the bytes of the weights the row holds + the row's median KV peak +
   the draft model's KV peak (ours: the drafter's own block pool; HF assisted: the assistant's
-  cache, read by the same hook on the assistant).
+  cache, read by the same hook on the assistant). Our weights include the second, pre-packed
+  copy of every matrix that our Model keeps for oneDNN (and the trained draft's vocabulary
+  head), so ours hold about twice HF's weight bytes.
 - **τ**: new tokens ÷ target forwards (prefill included), per prompt; the median. Ours from the
   decoder's own count, HF's from a forward hook on the target.
 - **acceptance**: draft tokens accepted ÷ draft tokens proposed (ours; HF does not report it).
@@ -701,7 +754,8 @@ def _run(a, command: str, t_start: float, host: dict) -> int:
     with torch.inference_mode():
         prompts = run_all(rows, prompts, a.max_new_tokens, deadline)
     dists = {r.strategy.split(" [")[0]: [s for x in r.runs.values() for s in x.steps]
-             for r in rows if r.key in ("spec1", "hf_assisted", "hf_lookup", "multi")}
+             for r in rows if r.key in ("spec1", "hf_assisted", "hf_assisted_k", "hf_lookup",
+                                        "multi")}
     counts = {s: sum(p["set"] == s for p in prompts) for s in SETS}
     res = {
         "rows": summarize(rows, prompts),

@@ -46,7 +46,8 @@ def test_run_table_tiny(tmp_path):
     assert "--max-new-tokens 8" in res["command"]
     rows = res["rows"]
     assert [r["key"] for r in rows] == ["seq", "hf_greedy", "beam_naive", "beam_fork", "hf_beam",
-                                        "spec1", "hf_assisted", "hf_lookup", "multi"]
+                                        "spec1", "hf_assisted", "hf_assisted_k", "hf_lookup",
+                                        "multi"]
     for r in rows:
         assert r["error"] is None, r
         assert isinstance(r["strategy"], str) and r["strategy"]
@@ -59,10 +60,16 @@ def test_run_table_tiny(tmp_path):
     assert by["hf_greedy"]["speedup_vs_hf_greedy"] == 1.0
     assert [by[k]["branches"] for k in ("seq", "beam_fork", "hf_beam", "multi")] == [1, 4, 4, 3]
     # the exactness checks ran: greedy rows against HF greedy, beam rows against HF beam
-    for k in ("seq", "hf_greedy", "spec1", "hf_assisted", "hf_lookup", "multi"):
+    for k in ("seq", "spec1", "hf_assisted", "hf_assisted_k", "hf_lookup", "multi"):
         assert by[k]["matches_hf_greedy"] is True, by[k]
-    for k in ("beam_naive", "beam_fork", "hf_beam"):
+    for k in ("beam_naive", "beam_fork"):
         assert by[k]["matches_hf_beam"] is True and by[k]["matches_hf_greedy"] is None, by[k]
+    for k in ("hf_greedy", "hf_beam"):                # the references match nothing but HF
+        assert by[k]["reference"] and by[k]["matches_hf_greedy"] is None, by[k]
+        assert by[k]["matches_hf_beam"] is None
+    # ours hold the packed copy of every matrix too, and a pool reserved up front
+    assert by["seq"]["weights_bytes"] > 1.9 * by["hf_greedy"]["weights_bytes"]
+    assert by["seq"]["kv_reserved_bytes"] >= by["seq"]["kv_peak_bytes"] > 0
     assert by["beam_naive"]["kv_mem_vs_sequential"] > by["beam_fork"]["kv_mem_vs_sequential"]
     assert res["config"]["draft"].startswith("self-draft")
     md = (out / "table.md").read_text()
