@@ -7,7 +7,8 @@ prompts and the same token budget, in one run.
 
 Rows: sequential greedy, HF greedy, naive beam search (cache copied per fork), fork search (CoW
 forks), HF beam search, speculative decoding with one draft path, HF assisted generation with the
-same draft, HF prompt lookup, multi-draft speculative decoding (model draft + n-gram paths).
+same draft (at HF's settings for it, and at our drafting settings), HF prompt lookup, multi-draft
+speculative decoding (model draft + n-gram paths).
 Every row runs on every prompt, rows interleaved per prompt so that load from other processes
 falls on all rows alike; each row is warmed up once first. Numbers are medians over prompts.
 Prompts are spread evenly over each file (8 MT-bench prompts: one per category) and alternate
@@ -340,14 +341,14 @@ def build_rows(a, model, tok, draft_hf, draft_tag: str, longest: int) -> list[Ro
     draft_model = model if self_draft else Model(draft_hf)
     L = longest + a.max_new_tokens
     room = L + (a.paths + 1) * (a.draft_len + 32)
-    # one draft model drafter, shared by rows 6 and 9 (begin() resets it per request)
+    # one draft model drafter, shared by rows spec1 and multi (begin() resets it per request)
     drafter = ModelDrafter(draft_model, "draft", max_kv_tokens=room,
                            max_paths=max(a.paths, 1), max_len=a.draft_len)
     seq = SpecDecoder(model, tok, max_kv_tokens=room)
     beam_dec = SpecDecoder(model, tok, max_kv_tokens=a.beams * (L + 32))
     spec1 = SpecDecoder(model, tok, [drafter], num_paths=1, draft_len=a.draft_len,
                         max_kv_tokens=room)
-    # row 9 runs what `specfork generate --drafts N` runs: n-gram lookup first, then the draft
+    # row multi runs what `specfork generate --drafts N` runs: n-gram lookup first, then the draft
     # (the trained one in the dtype the engine picks for it: fp16 on CPU)
     engine_draft = trained_drafter(model) if draft_tag == TRAINED else drafter
     a.multi_draft_dtype = str(engine_draft.model.dtype).split(".")[-1]
@@ -776,7 +777,10 @@ def _run(a, command: str, t_start: float, host: dict) -> int:
                    "multi_draft_dtype": getattr(a, "multi_draft_dtype", None),
                    "multi_draft_vocab": getattr(a, "multi_draft_vocab", None),
                    "hf_prompt_lookup_num_tokens": a.lookup_tokens,
-                   "hf_assistant": assistant_settings(draft_hf)},
+                   "hf_assistant": assistant_settings(draft_hf),
+                   "hf_assistant_ours": {"num_assistant_tokens": a.draft_len,
+                                         "num_assistant_tokens_schedule": "constant",
+                                         "assistant_confidence_threshold": MIN_CONF}},
     }
     res["warnings"] = check(res["rows"])
     out = Path(a.out)

@@ -71,7 +71,7 @@ def generate(a) -> int:
     if a.beams < 0:
         raise SpecforkError(f"--beams must be >= 0, got {a.beams}")
     if a.beams:
-        given = [k for k, v in {**sampling, "--drafts": a.drafts or None}.items()
+        given = [k for k, v in {**sampling, "--drafts": a.drafts or None, **drafting}.items()
                  if v is not None]
         if given:
             raise SpecforkError(f"--beams is greedy beam search: drop {', '.join(given)}")

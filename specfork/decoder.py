@@ -41,8 +41,8 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p, top_k,
         raise SpecforkError(f"top_p must be in (0, 1], got {top_p}")
     if top_k is not None and top_k <= 0:
         raise SpecforkError(f"top_k must be a positive integer, got {top_k}")
-    if seed is not None and not 0 <= seed < 2 ** 64:
-        raise SpecforkError(f"seed must be in [0, 2**64), got {seed}")
+    if seed is not None and not -2 ** 63 <= seed < 2 ** 64:        # what torch accepts
+        raise SpecforkError(f"seed must be in [-2**63, 2**64), got {seed}")
 
 
 def check_drafting(num_paths: int, draft_len: int) -> None:

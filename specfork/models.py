@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -114,7 +115,7 @@ def check_device(device: str | None) -> None:
     """cpu or cuda[:N] on a machine that has it; None picks one."""
     if device is None:
         return
-    if device != "cpu" and not device.startswith("cuda"):
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
         raise SpecforkError(f"device '{device}' is not supported: use cpu or cuda[:N]")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SpecforkError(f"device '{device}' asked for, but this torch build sees no CUDA GPU")
