@@ -72,8 +72,8 @@ class ModelDrafter:
         if target_model is not None and model.vocab_size != target_model.vocab_size:
             raise SpecforkError(f"draft '{name}' has vocabulary {model.vocab_size}, the target "
                                 f"{target_model.vocab_size}: a draft must share the tokenizer")
-        return cls(model, name=f"model:{name}", min_conf=min_conf,
-                   max_paths=max(8, max_paths), max_len=max(16, max_len))
+        return cls(model, name=f"model:{name}", min_conf=min_conf, max_paths=max_paths,
+                   max_len=max_len)
 
     # -- protocol -------------------------------------------------------------------------------
     def begin(self, prompt_ids: list[int]) -> None:

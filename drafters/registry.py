@@ -58,4 +58,4 @@ def trained_drafter(model, min_conf: float | None = None, draft_vocab: int | Non
     return ModelDrafter(Model(load_trained_draft(model.hf, dtype=dt)), name="trained",
                         min_conf=MIN_CONF if min_conf is None else min_conf,
                         vocab=load_vocab(k) if k else None,
-                        max_paths=max(8, max_paths), max_len=max(16, max_len))
+                        max_paths=max_paths, max_len=max_len)

@@ -131,16 +131,11 @@ def weight_bytes(*models) -> int:
 def engine_weight_bytes(hf_models: list, models: list, drafter=None) -> int:
     """What our rows hold in weights: the HF weights they borrow, plus the copy of every matrix
     our Model keeps pre-packed for oneDNN, plus a drafter's per-request vocabulary head."""
-    n = weight_bytes(*hf_models)
-    for m in {id(m): m for m in models}.values():
-        lins = [m.lm_head] + [getattr(ly, f) for ly in m.layers
-                              for f in ("qkv", "o", "gate_up", "down")]
-        n += sum(x.packed.numel() * x.packed.element_size() for x in lins if x.packed is not None)
+    n = weight_bytes(*hf_models) + sum(m.packed_bytes()
+                                       for m in {id(m): m for m in models}.values())
     if drafter is not None and getattr(drafter, "vocab", None) is not None:
         drafter.begin([0])                       # builds the head as a request would
-        h = drafter.head
-        n += h.w.nbytes + (h.packed.numel() * h.packed.element_size() if h.packed is not None
-                           else 0)
+        n += drafter.head.w.nbytes + drafter.head.packed_bytes
         drafter.end()
     return n
 

@@ -95,9 +95,9 @@ class SpecDecoder:
                         **kw) -> "SpecDecoder":
         from specfork.drafters.registry import make_drafters
         from specfork.models import load_hf
+        check_drafting(drafts, draft_len)                  # before any weights load
         hf, tok = load_hf(target, dtype=dtype, device=device)
         model = Model(hf)
-        check_drafting(drafts, draft_len)
         drafters = (make_drafters(drafter, target, model, drafts, min_conf, draft_vocab,
                                   draft_len=draft_len) if drafts > 0 else [])
         return cls(model, tok, drafters, num_paths=drafts, draft_len=draft_len, **kw)

@@ -40,6 +40,12 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
         return F.linear(x, self.w, self.b)
 
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of the pre-packed copy (0 when not packed)."""
+        p = self.packed
+        return 0 if p is None else p.numel() * p.element_size()
+
     def add_to(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """x + self(a): the residual add folded into the matmul."""
         if self.packed is not None and a.shape[0] <= MAX_PACKED_ROWS:
@@ -153,6 +159,12 @@ class Model:
                 ln2=blk.post_attention_layernorm.weight,
                 gate_up=Linear(_fuse([m.gate_proj, m.up_proj], "weight"), pack=pack),
                 down=Linear(m.down_proj.weight, pack=pack)))
+
+    def packed_bytes(self) -> int:
+        """Bytes of the pre-packed weight copies this Model keeps beside the HF weights."""
+        lins = [self.lm_head] + [getattr(ly, f) for ly in self.layers
+                                 for f in ("qkv", "o", "gate_up", "down")]
+        return sum(x.packed_bytes for x in lins)
 
     def make_pool(self, num_blocks: int | None = None, max_bytes: int | None = None,
                   block_size: int | None = None) -> BlockPool:

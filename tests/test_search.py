@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LogitsProcessorList
 from specfork.decoder import SpecDecoder
 from specfork.errors import SpecforkError
 from specfork.model import Model
-from specfork.search import LiveTokenPeak, beam_search
+from specfork.search import LiveTokenPeak, beam_search, live_tokens
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -111,8 +111,7 @@ def token_run(tiny):
     naive = beam_search(dec, prompt, num_beams=4, max_new_tokens=20, naive=True)
     greedy = dec.generate(prompt, max_new_tokens=20).stats["kv_peak_bytes"]
     bb = dec.pool.block_bytes
-    live = [len({tuple(s[:i + 1]) for s in t["running"] for i in range(len(s))})
-            for t in res.trace[:-1]]                 # the last step runs no forward
+    live = [live_tokens(t["running"]) for t in res.trace[:-1]]    # the last step runs no forward
     return res, naive, greedy // bb, 30 + max(live), bb
 
 
@@ -215,8 +214,7 @@ def test_embedded_memory_vs_greedy_and_naive(smol_dec, fork_run):
     naive = beam_search(smol_dec, ids, num_beams=4, max_new_tokens=64, naive=True)
     assert naive.token_ids == fork.token_ids
     assert greedy == (len(ids) + 63) * bb
-    live = max(len({tuple(s[:i + 1]) for s in t["running"] for i in range(len(s))})
-               for t in fork.trace[:-1])
+    live = max(live_tokens(t["running"]) for t in fork.trace[:-1])
     assert fork.stats["kv_peak_bytes"] == (len(ids) + live) * bb
     assert greedy + 3 * bb <= fork.stats["kv_peak_bytes"] <= 1.15 * greedy
     assert naive.stats["kv_peak_bytes"] >= 3.5 * greedy
