@@ -20,19 +20,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-def _installed() -> bool:
-    try:
-        return importlib.util.find_spec("specfork.kernels") is not None
-    except ModuleNotFoundError:
-        return False
-
-
-if not _installed():
-    # A checkout that is not pip-installed: map specfork.kernels -> kernels/ as pyproject does.
+if importlib.util.find_spec("specfork") is None:
+    # A checkout that is not pip-installed (the GPU machine): the package is importable from its root.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import kernels
-    import specfork
-    specfork.kernels = sys.modules["specfork.kernels"] = kernels
 
 from bench_tree_attention import layered_tree, make_layer   # noqa: E402  (eval/ is on sys.path)
 from specfork.kernels.tree_attention import (ancestor_mask, gather_prefix,  # noqa: E402

