@@ -147,8 +147,8 @@ def main(argv=None):
     torch.set_num_threads(a.threads)
     from specfork.decoder import SpecDecoder
     from specfork.model import Model
-    from specfork.models import load_hf
-    from specfork.prompts import load_prompts
+    from specfork.loader import load_hf
+    from prompts import load_prompts
     hf, tok = load_hf("smollm2-135m", dtype=torch.float32, device="cpu")
     model = Model(hf)
     dec, dec16 = SpecDecoder(model, tok), SpecDecoder(model, tok, block_size=16)

@@ -40,7 +40,7 @@ def main(argv=None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     from transformers import AutoConfig
-    from specfork.models import resolve
+    from specfork.loader import resolve
     cfg = AutoConfig.from_pretrained(resolve(a.target))
     gen = torch.Generator().manual_seed(0)
     ws = [torch.randn(o, i, generator=gen) * 0.02 for o, i in shapes(cfg)]

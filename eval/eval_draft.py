@@ -45,8 +45,8 @@ from specfork.drafters.trained_draft import (DRAFT_VOCAB, WEIGHTS, load_trained_
 from specfork.errors import SpecforkError, check_positive, run_command  # noqa: E402
 from specfork.kv_tree import KVTree  # noqa: E402
 from specfork.model import Linear, Model, causal_mask  # noqa: E402
-from specfork.models import load_hf  # noqa: E402
-from specfork.prompts import load_prompts, mtbench_categories  # noqa: E402
+from specfork.loader import load_hf  # noqa: E402
+from prompts import load_prompts, mtbench_categories  # noqa: E402
 
 KS = range(2, 9)
 ENGINE_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

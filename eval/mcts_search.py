@@ -149,8 +149,8 @@ def main(argv=None):
     torch.set_num_threads(a.threads)
     from specfork.decoder import SpecDecoder
     from specfork.model import Model
-    from specfork.models import load_hf
-    from specfork.prompts import load_prompts
+    from specfork.loader import load_hf
+    from prompts import load_prompts
     prompts = load_prompts("mtbench")
     if not 0 <= a.prompt < len(prompts):
         raise SpecforkError(f"--prompt must be in 0..{len(prompts) - 1}, got {a.prompt}")

@@ -292,7 +292,7 @@ def load_draft(arg: str, target: str, hf):
     """(draft HF model or the target itself, short tag, description). `auto` takes the trained
     draft when its module and weights are there; otherwise the target drafts for itself."""
     from specfork.errors import SpecforkError
-    from specfork.models import load_hf, resolve
+    from specfork.loader import load_hf, resolve
     if arg == "auto":
         try:
             from specfork.drafters.trained_draft import load_trained_draft
@@ -317,7 +317,7 @@ def load_draft(arg: str, target: str, hf):
 
 
 def load_prompt_set(a) -> list[dict]:
-    from specfork.prompts import load_prompts
+    from prompts import load_prompts
     names = list(SETS) if a.prompts == "both" else [a.prompts]
     sets = [[dict(p, set=name) for p in load_prompts(name, a.prompts_per_set, spread=True)]
             for name in names]
@@ -729,7 +729,7 @@ def main(argv=None) -> int:
 
 
 def _run(a, command: str, t_start: float, host: dict) -> int:
-    from specfork.models import load_hf
+    from specfork.loader import load_hf
 
     dtype = getattr(torch, a.dtype) if a.dtype else None
     hf, tok = load_hf(a.target, dtype=dtype, device=a.device)

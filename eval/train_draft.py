@@ -344,7 +344,7 @@ def build_prompts(seed: int, n: int, code: float = 0.30, text: float = 0.10,
                   constraints: float = 0.5) -> list[dict]:
     """`n` prompts: templated chat (a `constraints` share with a format instruction), a `code`
     share of code stubs, a `text` share of docstring passages."""
-    from specfork.prompts import load_prompts
+    from prompts import load_prompts
     rng = random.Random(seed)
     banned = {p["text"].split("def ", 1)[1].split("(")[0] for p in load_prompts("humaneval")}
     stubs, docs = [], []
@@ -388,7 +388,7 @@ class TopKRecorder:
 
 def generate_data(args) -> None:
     from transformers import LogitsProcessorList
-    from specfork.models import load_hf
+    from specfork.loader import load_hf
     hf, tok = load_hf("smollm2-135m", dtype=torch.bfloat16, device="cpu")
     tok.padding_side = "left"
     rows = build_prompts(args.seed, args.prompts, args.code_share, args.text_share,
@@ -536,7 +536,7 @@ def train(args) -> None:
     from safetensors.torch import save_file
     from transformers import get_cosine_schedule_with_warmup
     from specfork.drafters.trained_draft import fingerprint
-    from specfork.models import load_hf
+    from specfork.loader import load_hf
     torch.manual_seed(args.seed)
     blob = torch.load(args.data)
     rows = blob["rows"]
@@ -644,7 +644,7 @@ def rank_vocab(args) -> None:
     `ModelDrafter(vocab=...)` keeps the first K as the draft's output rows."""
     blob = torch.load(args.data)
     rows = blob["rows"]
-    from specfork.models import load_tokenizer
+    from specfork.loader import load_tokenizer
     V = len(load_tokenizer("smollm2-135m"))
     counts = torch.zeros(V, dtype=torch.long)
     for r in rows:

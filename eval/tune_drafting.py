@@ -74,7 +74,7 @@ def main(argv=None):
     from specfork.drafters.ngram import NgramDrafter
     from specfork.drafters.trained_draft import load_trained_draft, load_vocab
     from specfork.model import Model
-    from specfork.models import load_hf
+    from specfork.loader import load_hf
 
     hf, tok = load_hf("smollm2-135m", dtype=torch.float32, device="cpu")
     model = Model(hf)

@@ -63,7 +63,7 @@ def generate(a) -> int:
 
     from specfork.decoder import MAX_DRAFT_LEN, MAX_PATHS, SpecDecoder, check_sampling
     from specfork.errors import SpecforkError
-    from specfork.models import check_device
+    from specfork.loader import check_device
     drafting = {"--drafter": a.drafter, "--draft-len": a.draft_len, "--min-conf": a.min_conf,
                 "--draft-vocab": a.draft_vocab}
     sampling = {"--temperature": a.temperature or None, "--top-p": a.top_p, "--top-k": a.top_k,

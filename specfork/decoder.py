@@ -10,7 +10,8 @@ from typing import Callable
 
 import torch
 
-from specfork.drafters.base import Drafter, DraftPath, SamplingParams
+from specfork.drafters.base import Drafter
+from specfork.types import DraftPath, SamplingParams
 from specfork.errors import SpecforkError
 from specfork.kv_tree import KVTree
 from specfork.model import Model, causal_mask
@@ -94,7 +95,7 @@ class SpecDecoder:
                         min_conf: float | None = None, draft_vocab: int | None = None,
                         **kw) -> "SpecDecoder":
         from specfork.drafters.registry import make_drafters
-        from specfork.models import load_hf
+        from specfork.loader import load_hf
         check_drafting(drafts, draft_len)                  # before any weights load
         hf, tok = load_hf(target, dtype=dtype, device=device)
         model = Model(hf)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specfork.drafters.base import DraftPath
+from specfork.types import DraftPath
 
 Proposal = tuple[int, "torch.Tensor | None", str]   # (child node, q row [V] or None, drafter)
 

@@ -1,6 +1,6 @@
 from hypothesis import given, settings, strategies as st
 
-from specfork.drafters.base import SamplingParams
+from specfork.types import SamplingParams
 from specfork.drafters.ngram import NgramDrafter
 
 SP = SamplingParams()

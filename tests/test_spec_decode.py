@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from specfork.decoder import SpecDecoder
-from specfork.drafters.base import DraftPath
+from specfork.types import DraftPath
 from specfork.drafters.model_drafter import ModelDrafter
 from specfork.drafters.ngram import NgramDrafter
 from specfork.errors import SpecforkError
@@ -82,7 +82,7 @@ def test_sampled_output_has_target_distribution(mix):
 def test_model_drafter_stops_paths_on_draft_confidence():
     """min_conf=0 drafts every path to full length; min_conf=1 (no token is that sure) keeps
     one path of one token in greedy mode, but every sampled first draw (they must stay i.i.d.)."""
-    from specfork.drafters.base import SamplingParams
+    from specfork.types import SamplingParams
     draft = Model(_tiny(1, 0.8))
     ctx = [1, 2, 3, 1, 2]
     lens = {}
@@ -129,7 +129,7 @@ def test_decoder_refuses_oversized_drafting():
 def test_model_drafter_vocab_head_is_the_full_head_restricted():
     """With `vocab`, the draft proposes the argmax of its full logits over vocab + every token
     of the context (the first generated one included); sampled q is 0 outside that set."""
-    from specfork.drafters.base import SamplingParams
+    from specfork.types import SamplingParams
     hf = _tiny(1, 0.8)
     ctx = [1, 2, 1, 2]
     d = ModelDrafter(Model(hf), "draft", min_conf=0.0, vocab=[6, 0, 6])

@@ -2,7 +2,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from specfork.drafters.base import DraftPath
+from specfork.types import DraftPath
 from specfork.token_tree import TokenTree
 
 V = 8

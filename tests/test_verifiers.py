@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import specfork.verifiers.sampling as vs
-from specfork.drafters.base import DraftPath, SamplingParams
+from specfork.types import DraftPath, SamplingParams
 from specfork.sampling import probs_from_logits
 from specfork.token_tree import TokenTree
 from specfork.verifiers.greedy import verify_greedy

@@ -5,31 +5,9 @@ top-k model drafts) give `q=None`, read by the verifiers as one-hot at the propo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
-
-@dataclass
-class SamplingParams:
-    """Target sampling settings; drafters that sample must draw q under the same warping."""
-    temperature: float = 0.0         # 0 = greedy
-    top_k: int | None = None
-    top_p: float | None = None
-    generator: torch.Generator | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-@dataclass
-class DraftPath:
-    tokens: list[int]                      # continuation after the context (not incl. it)
-    q: torch.Tensor | None = None          # [len(tokens), V] draft distribution per token
-    drafter: str = ""                      # who proposed it (for per-drafter stats)
-    meta: dict = field(default_factory=dict)
+from specfork.types import DraftPath, SamplingParams
 
 
 class Drafter(Protocol):

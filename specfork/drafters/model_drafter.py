@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from specfork.drafters.base import DraftPath, SamplingParams
+from specfork.types import DraftPath, SamplingParams
 from specfork.errors import SpecforkError
 from specfork.kv_tree import KVTree
 from specfork.model import Linear, Model, causal_mask
@@ -61,7 +61,7 @@ class ModelDrafter:
     @classmethod
     def load(cls, name: str, target_model: Model | None = None, min_conf: float = MIN_CONF,
              max_paths: int = 8, max_len: int = 16) -> "ModelDrafter":
-        from specfork.models import load_hf, resolve
+        from specfork.loader import load_hf, resolve
         if target_model is not None and resolve(name) == getattr(target_model.hf, "name_or_path",
                                                                  None):
             model = target_model                 # self-drafting: share the weights

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from itertools import islice
 
-from .base import DraftPath, SamplingParams
+from specfork.types import DraftPath, SamplingParams
 
 
 class NgramDrafter:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from specfork.drafters.base import SamplingParams
+from specfork.types import SamplingParams
 from specfork.sampling import probs_from_logits, sample
 from specfork.token_tree import TokenTree
 from specfork.verifiers.greedy import verify_greedy

