@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 import torch
+
+from provenance import command, machine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -55,9 +56,9 @@ def memory_and_parity(dec, dec16, hf, prompts, widths, n, parity):
         g = dec.generate(ids, max_new_tokens=n).stats["kv_peak_bytes"]
         g16 = dec16.generate(ids, max_new_tokens=n).stats["kv_peak_bytes"]
         for W in widths:
-            fork = beam_search(dec, ids, num_beams=W, max_new_tokens=n)
-            naive = beam_search(dec, ids, num_beams=W, max_new_tokens=n, naive=True)
-            b16 = beam_search(dec16, ids, num_beams=W, max_new_tokens=n)
+            fork = beam_search(dec.engine, ids, num_beams=W, max_new_tokens=n)
+            naive = beam_search(dec.engine, ids, num_beams=W, max_new_tokens=n, naive=True)
+            b16 = beam_search(dec16.engine, ids, num_beams=W, max_new_tokens=n)
             row = {"prompt": p["id"], "prompt_tokens": len(ids), "num_beams": W,
                    "new_tokens": fork.stats["new_tokens"],
                    "greedy_peak_bytes": g, "fork_peak_bytes": fork.stats["kv_peak_bytes"],
@@ -109,7 +110,7 @@ def speed(dec, hf, prompts, W, n, reps, with_hf):
         for _ in range(reps):
             g, w, c = timed(lambda: dec.generate(ids, max_new_tokens=n))
             gw.append(len(g.token_ids) / w), gc.append(len(g.token_ids) / c)
-            b, w, c = timed(lambda: beam_search(dec, ids, num_beams=W, max_new_tokens=n))
+            b, w, c = timed(lambda: beam_search(dec.engine, ids, num_beams=W, max_new_tokens=n))
             bw.append(len(b.token_ids) / w), bc.append(len(b.token_ids) / c)
             if with_hf:
                 with torch.no_grad():
@@ -145,6 +146,7 @@ def main(argv=None):
     ap.add_argument("--out", default="results/beam_memory.json")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
+    host = machine()
     from specfork.decoder import SpecDecoder
     from specfork.model import Model
     from specfork.loader import load_hf
@@ -163,10 +165,10 @@ def main(argv=None):
     summary["speed_cpu_ratio_median"] = med(r["cpu_ratio"] for r in spd)
     if not a.no_hf:
         summary["hf_speed_ratio_median"] = med(r["hf_ratio"] for r in spd)
-    res = {"model": "smollm2-135m (fp32)", "block_size": dec.pool.block_size,
+    res = {"command": command("bench_beam", argv), "machine": host,
+           "loadavg_1m_end": os.getloadavg()[0],
+           "model": "smollm2-135m (fp32)", "block_size": dec.pool.block_size,
            "max_new_tokens": a.max_new_tokens, "threads": a.threads,
-           "machine": f"{platform.machine()} {os.cpu_count()} cpus, load avg "
-                      f"{os.getloadavg()[0]:.1f} at the end (shared)",
            "summary": summary, "memory": mem, "speed": spd}
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:

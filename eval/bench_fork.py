@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 import torch
 
+from provenance import command, machine
 from specfork.kv_tree import BlockPool, KVTree
 
 LAYERS, KV_HEADS, HEAD_DIM, BS, DTYPE = 30, 3, 64, 16, torch.float32
@@ -144,21 +144,18 @@ def plot(res: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True)
     ap.add_argument("--png")
     ap.add_argument("--reps", type=int, default=20000, help="fork+release pairs per configuration")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     overhead = []
     for _ in range(10000):
         t0 = pc()
         overhead.append(pc() - t0)
-    res = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-           "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                       "cpus": os.cpu_count(), "python": platform.python_version(),
-                       "torch": torch.__version__},
+    res = {"command": command("bench_fork", argv), "machine": machine(),
            "shape": {"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                      "block_size": BS, "dtype": str(DTYPE)},
            "timer_overhead_ns": statistics.median(overhead)}

@@ -3,13 +3,12 @@ gate|up, down, then the lm_head) at the embedded target's shapes, for 1..32 rows
 row, beam search W rows, tree verification one per tree token): F.linear against weights
 pre-packed for oneDNN (what specfork uses) and for MKL's packed sgemm.
 
-    python eval/bench_linear.py --json results/linear_cpu.json
+    python eval/bench_linear.py --threads 2 --json results/linear_cpu.json
 """
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from provenance import command, machine
 
 
 def shapes(cfg) -> list[tuple[int, int]]:
@@ -46,8 +47,9 @@ def main(argv=None) -> None:
     ws = [torch.randn(o, i, generator=gen) * 0.02 for o, i in shapes(cfg)]
     from specfork.model import PACK_ROWS
     dnn = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in ws]
-    out = {"target": a.target, "machine": platform.processor() or platform.machine(),
-           "torch": torch.__version__, "threads": torch.get_num_threads(), "rows": {}}
+    out = {"command": command("bench_linear", argv), "machine": machine(), "target": a.target,
+           "threads": torch.get_num_threads(), "reps": a.reps,
+           "timing": "median ms of one forward's matmuls, methods interleaved", "rows": {}}
     for m in [int(r) for r in a.rows.split(",")]:
         xs = [torch.randn(m, w.shape[1], generator=gen) for w in ws]
         mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in ws]

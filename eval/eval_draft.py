@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -44,9 +43,11 @@ from specfork.drafters.trained_draft import (DRAFT_VOCAB, WEIGHTS, load_trained_
                                              load_vocab)
 from specfork.errors import SpecforkError, check_positive, run_command  # noqa: E402
 from specfork.kv_tree import KVTree  # noqa: E402
-from specfork.model import Linear, Model, causal_mask  # noqa: E402
+from specfork.attention import AttnMeta  # noqa: E402
+from specfork.model import Linear, Model  # noqa: E402
 from specfork.loader import load_hf  # noqa: E402
 from prompts import load_prompts, mtbench_categories  # noqa: E402
+from provenance import command, machine  # noqa: E402
 
 KS = range(2, 9)
 ENGINE_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -100,7 +101,7 @@ def time_forwards(models: dict[str, Model], ctx: int, reps: int, threads: int) -
         br = kv.new_branch()
         slots = kv.append(br, ctx)
         toks = torch.randint(100, 20000, (ctx,), generator=torch.Generator().manual_seed(0))
-        m.forward(toks, torch.arange(ctx), pool, slots[:0], slots, tree_mask=causal_mask(ctx),
+        m.forward(toks, torch.arange(ctx), pool, AttnMeta.prefill(m, slots[:0], slots),
                   logits_idx=slice(ctx - 1, ctx))
         setups[name] = (m, pool, kv, br)
     times = {name: [] for name in models}
@@ -109,8 +110,8 @@ def time_forwards(models: dict[str, Model], ctx: int, reps: int, threads: int) -
             prefix = kv.slots(br)
             slot = kv.append(br, 1)
             t0 = time.perf_counter()
-            m.forward(torch.tensor([7]), torch.tensor([ctx]), pool, prefix, slot,
-                      head=heads[name])
+            m.forward(torch.tensor([7]), torch.tensor([ctx]), pool,
+                      AttnMeta.prefill(m, prefix, slot), head=heads[name])
             dt = time.perf_counter() - t0
             kv.truncate(br, ctx)
             if r >= 3:
@@ -235,9 +236,8 @@ def main(argv=None) -> None:
                   "engine_draft_dtype": args.draft_dtype, "engine_draft": eng,
                   "draft_vocab": args.draft_vocab,
                   "cost_reps": args.reps, "default_threads": default_threads,
-                  "cpu": platform.processor() or platform.machine(),
-                  "load_avg": os.getloadavg(), "torch": torch.__version__,
-                  "command": "python eval/eval_draft.py " + " ".join(argv or os.sys.argv[1:])},
+                  "machine": machine(), "load_avg_end": os.getloadavg(),
+                  "command": command("eval_draft", argv)},
         "greedy_acceptance": acc,
         "tau_from_acceptance": tau,
         "tau_measured_specdecoder": real,
@@ -259,8 +259,8 @@ def markdown(r: dict) -> str:
     goal = {True: "met", False: "missed"}
     lines = [
         "# Trained draft for SmolLM2-135M-Instruct", "",
-        f"`{s['command']}` (torch {s['torch']}, {s['default_threads']} default threads, "
-        f"load average {s['load_avg'][0]:.1f} at the end: the CPU is shared, timings are noisy)",
+        f"`{s['command']}` (torch {s['machine']['torch']}, {s['default_threads']} default "
+        f"threads, load average {s['load_avg_end'][0]:.1f} at the end: the CPU is shared, timings are noisy)",
         "",
         f"Draft: LlamaForCausalLM, {d['layers']} decoder layers of width {d['hidden']} "
         f"(initialised from target layers {d['init_from_target_layers']}), target embeddings "

@@ -4,7 +4,12 @@
      prefix {512, 2048, 8192} x tree {16, 64, 128}: the Triton kernel (pages read in place)
      vs masked SDPA over an already gathered prefix, vs gather + SDPA (the torch path), and
      a dense prefix-only flash SDPA as a floor;
-  3. a prefix-split sweep (L=8192, T=16), to check the split heuristic.
+  3. a prefix-split sweep (L=8192, T=16), to check the split heuristic;
+  4. prefill as `Model.forward` runs it on CUDA (`specfork/attention.py`): the paths `AttnMeta`
+     picks there, then on a Llama-3-8B layer over an empty prefix fused causal SDPA
+     (`causal_attention`) and over a prefix the Triton kernel on one-token pages with the
+     prefix slots as block table, each against the 3-D masked SDPA prefill used to take (error,
+     time, peak memory above the inputs: the old path holds T x (L+T) scores per head).
 Exits 1 if a correctness case fails (after writing the JSON), 2 without CUDA or Triton.
 
     python eval/gpu_tree_attention.py --json $OUT/tree_attention_gpu.json
@@ -25,6 +30,8 @@ if importlib.util.find_spec("specfork") is None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_tree_attention import layered_tree, make_layer   # noqa: E402  (eval/ is on sys.path)
+from specfork.attention import AttnMeta, causal_mask  # noqa: E402
+from specfork.kernels.dense_attention import causal_attention  # noqa: E402
 from specfork.kernels.tree_attention import (ancestor_mask, gather_prefix,  # noqa: E402
                                              tree_attention, tree_attention_sdpa)
 
@@ -117,6 +124,71 @@ def timing(tta, bench) -> tuple[list[dict], list[dict]]:
     return rows, sweep
 
 
+def meta_paths() -> dict:
+    """The path `AttnMeta` picks on this device for prefill (empty prefix, over a prefix), a
+    decode step and a verify tree, and that its indices live on the device (int32 table)."""
+    model = argparse.Namespace(device=torch.device(DEVICE, torch.cuda.current_device())
+                               if DEVICE == "cuda" else torch.device(DEVICE),
+                               dtype=torch.bfloat16, num_heads=32, kv_heads=8)
+    pre, new = torch.arange(40), torch.arange(40, 49)
+    metas = dict(prefill=AttnMeta.prefill(model, pre[:0], new),
+                 prefill_over_prefix=AttnMeta.prefill(model, pre, new),
+                 decode=AttnMeta.prefill(model, pre, new[:1]),
+                 verify=AttnMeta.tree(model, pre, ancestor_mask([-1, 0, 0, 1]), new[:4]))
+    got = {k: m.path for k, m in metas.items()}
+    want = dict(prefill="causal", prefill_over_prefix="paged", decode="decode", verify="paged")
+    on_device = all(m.read.device == model.device and (m.table is None or (
+        m.table.dtype == torch.int32 and m.table.device == model.device)) for m in metas.values())
+    return dict(paths=got, ok=got == want and on_device)
+
+
+def _peak_mib(fn) -> float:
+    """CUDA memory `fn` allocates at its peak beyond what was allocated before, MiB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def prefill_paths(bench, shapes=((0, 1024), (0, 4096), (2048, 512), (4096, 2048)),
+                  H=32, KVH=8, D=128, dtype=torch.bfloat16) -> list[dict]:
+    """Prefill attention of one layer as the engine runs it now vs the 3-D masked SDPA it ran
+    before (both against that old path in fp32); `shapes`: (prefix L, new tokens T)."""
+    rows = []
+    for L, T in shapes:
+        g = torch.Generator(device=DEVICE).manual_seed(T + L)
+        r = lambda *s: torch.randn(*s, generator=g, device=DEVICE).to(dtype)
+        q, k, v = r(T, H, D), r(T, KVH, D), r(T, KVH, D)
+        k_pool, v_pool = r(L + 64, 1, KVH, D), r(L + 64, 1, KVH, D)     # one-token pages
+        slots = torch.randperm(L + 64, generator=g, device=DEVICE)[:L]
+        kp, vp = k_pool[slots, 0], v_pool[slots, 0]
+        mask, scale = causal_mask(T, DEVICE), D ** -0.5
+        if L == 0:
+            new = lambda: causal_attention(q, k, v, scale)
+        else:
+            table = slots.to(torch.int32)
+            new = lambda: tree_attention(q, k_pool, v_pool, table, L, k, v, mask, scale)
+        old = lambda: tree_attention_sdpa(q, kp, vp, k, v, mask, scale)
+        f = lambda t: t.float()
+        ref = tree_attention_sdpa(f(q), f(kp), f(vp), f(k), f(v), mask, scale)
+        row = dict(prefix_len=L, new_tokens=T, path="causal" if L == 0 else "paged")
+        for name, fn in (("new", new), ("old", old)):
+            out = fn()
+            row[f"{name}_err"] = ((out.float() - ref).abs() / (1 + ref.abs())).max().item()
+            del out
+            row[f"{name}_peak_MiB"] = _peak_mib(fn) if q.is_cuda else float("nan")
+            row[f"{name}_ms"] = bench(fn)
+        row["ok"] = bool(row["new_err"] <= TOL[dtype])
+        rows.append(row)
+        print(f"prefill L={L:>4} T={T:>4} ({row['path']}): {row['new_ms']:.3f} ms, peak "
+              f"{row['new_peak_MiB']:.0f} MiB, err {row['new_err']:.1e} | old 3-D SDPA "
+              f"{row['old_ms']:.3f} ms, peak {row['old_peak_MiB']:.0f} MiB "
+              f"{'ok' if row['ok'] else 'FAIL'}")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True, help="write the results here")
@@ -140,9 +212,12 @@ def main() -> None:
     result["correctness"] = correctness(tta)
     result["dispatches_to_triton"] = dispatches_to_triton(tta)
     result["timing"], result["split_sweep"] = timing(tta, bench)
+    result["meta_paths"] = meta_paths()
+    result["prefill"] = prefill_paths(bench)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
-    ok = all(r["ok"] for r in result["correctness"]) and result["dispatches_to_triton"]
+    ok = (all(r["ok"] for r in result["correctness"] + result["prefill"])
+          and result["dispatches_to_triton"] and result["meta_paths"]["ok"])
     print("all correct" if ok else "CORRECTNESS FAILURES", "->", args.json)
     sys.exit(0 if ok else 1)
 

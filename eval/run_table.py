@@ -24,8 +24,6 @@ import copy
 import datetime
 import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -249,7 +247,7 @@ def beams(dec, width: int, naive: bool) -> Callable[[list[int], int], Run]:
 
     def run(ids, n):
         t0 = clock()
-        r = beam_search(dec, ids, num_beams=width, max_new_tokens=n, naive=naive)
+        r = beam_search(dec.engine, ids, num_beams=width, max_new_tokens=n, naive=naive)
         wall = clock() - t0
         return Run(r.token_ids, wall, r.stats["kv_peak_bytes"], 0, r.stats["target_forwards"])
     return run
@@ -519,21 +517,6 @@ def assistant_settings(draft_hf) -> dict:
             for k in keys}
 
 
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    import transformers
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "platform": platform.platform(), "python": platform.python_version(),
-            "loadavg_1m_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
-
-
 # -- output -----------------------------------------------------------------------------------
 
 def _f(x, fmt):
@@ -719,7 +702,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     a = _args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)
-    command = "python eval/run_table.py" + ("" if not argv else " " + shlex.join(argv))
+    from provenance import command as command_line, machine
+    command = command_line("run_table", argv)
     t_start = time.perf_counter()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -735,11 +719,11 @@ def _run(a, command: str, t_start: float, host: dict) -> int:
     hf, tok = load_hf(a.target, dtype=dtype, device=a.device)
     draft_hf, draft_tag, draft_label = load_draft(a.draft, a.target, hf)
     prompts = load_prompt_set(a)
-    from specfork.decoder import SpecDecoder
     from specfork.drafters.model_drafter import MIN_CONF
+    from specfork.engine import Engine
     from specfork.model import Model
     model = Model(hf)
-    enc = SpecDecoder(model, tok, max_kv_tokens=1)      # for encode(): template and checks
+    enc = Engine(model, tok, max_kv_tokens=1)           # for encode(): template and checks
     for p in prompts:
         p["ids"] = enc.encode(p["text"], raw=p["kind"] == "code")   # code prompts: no template
     del enc

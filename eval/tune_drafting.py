@@ -1,15 +1,18 @@
 """Tune the drafting policy (mix, paths, draft length, `min_conf`) on hand-written prompts that
 are in neither MT-bench nor HumanEval, so the reported sets stay untouched by tuning.
 
-    python eval/tune_drafting.py '{"mix":"ngram,trained","paths":3,"len":4,"conf":0.3}' \\
-                                 '{"mix":"ngram,trained","paths":3,"len":4,"conf":0}'
+    python eval/tune_drafting.py --out results/tune_drafting.json \\
+        '{"mix":"ngram,trained","paths":3,"len":4,"conf":0.3,"vocab":8192}' \\
+        '{"mix":"ngram,trained","paths":3,"len":4,"conf":0}' \\
+        '{"mix":"ngram,trained","paths":3,"len":4,"conf":0.3}'
 
 Each config is a JSON object: mix (drafters, in order), paths, len, conf (the trained draft's
 min_conf), optionally ngmin (n-gram drafter's shortest match) and vocab (the trained draft's
 output rows: the target's N most frequent tokens plus the request's; 0 or absent: all) and
 dtype (the trained draft's: float16, the default, or bfloat16). Greedy and every config run
 interleaved per prompt, twice, so machine noise hits all alike; prints tokens/s, the ratio to
-our greedy decoding measured in the same loop, τ, and whether the tokens equal greedy's.
+our greedy decoding measured in the same loop, τ, and whether the tokens equal greedy's;
+`--out` writes the same as JSON, with the command and the machine.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import time
 
 import torch
 
+from provenance import command, machine
 from specfork.errors import SpecforkError, check_positive, run_command
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -65,10 +69,12 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None, help="write the comparison here as JSON")
     a = ap.parse_args(argv)
     check_positive(max_new_tokens=a.max_new_tokens, reps=a.reps, threads=a.threads)
     cfgs = [parse_config(c) for c in a.configs]
     torch.set_num_threads(a.threads)
+    host = machine()
     from specfork.decoder import SpecDecoder
     from specfork.drafters.model_drafter import ModelDrafter
     from specfork.drafters.ngram import NgramDrafter
@@ -104,10 +110,24 @@ def main(argv=None):
                 fw[j] += o.stats["target_forwards"]
                 same[j] &= o.token_ids == ref
     n = a.reps * N * len(PROMPTS)
+    rows = [{"config": c, "tokens_per_s": n / t, "speedup_vs_greedy": tg / t, "tau": n / f,
+             "tokens_equal_greedy": k} for c, t, f, k in zip(cfgs, ts, fw, same)]
     print(f"greedy {n / tg:.2f} tok/s")
-    for c, t, f, k in zip(cfgs, ts, fw, same):
-        print(json.dumps(c), f"{n / t:.2f} tok/s  x{tg / t:.3f} greedy  tau {n / f:.2f}",
-              "exact" if k else "MISMATCH", flush=True)
+    for r in rows:
+        print(json.dumps(r["config"]), f"{r['tokens_per_s']:.2f} tok/s  "
+              f"x{r['speedup_vs_greedy']:.3f} greedy  tau {r['tau']:.2f}",
+              "exact" if r["tokens_equal_greedy"] else "MISMATCH", flush=True)
+    if a.out:
+        res = {"command": command("tune_drafting", argv), "machine": host,
+               "target": "smollm2-135m (float32)", "prompts": PROMPTS,
+               "max_new_tokens": N, "reps": a.reps,
+               "timing": "greedy and every config interleaved per prompt; tokens/s counts "
+                         "max_new_tokens per run (wall time summed over prompts and reps)",
+               "greedy_tokens_per_s": n / tg, "configs": rows}
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"wrote {a.out}")
 
 
 if __name__ == "__main__":

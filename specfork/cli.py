@@ -61,13 +61,18 @@ def _prompt(a) -> str:
 def generate(a) -> int:
     import torch
 
-    from specfork.decoder import MAX_DRAFT_LEN, MAX_PATHS, SpecDecoder, check_sampling
+    from specfork.decoder import SpecDecoder
+    from specfork.drafters.registry import DRAFT_LEN, check_drafting
+    from specfork.engine import check_prompt
     from specfork.errors import SpecforkError
     from specfork.loader import check_device
+    from specfork.sampling import check_sampling
     drafting = {"--drafter": a.drafter, "--draft-len": a.draft_len, "--min-conf": a.min_conf,
                 "--draft-vocab": a.draft_vocab}
     sampling = {"--temperature": a.temperature or None, "--top-p": a.top_p, "--top-k": a.top_k,
                 "--seed": a.seed}
+    # Which flags go together is the CLI's own rule; every value is checked by the library,
+    # here before the weights load.
     if a.beams < 0:
         raise SpecforkError(f"--beams must be >= 0, got {a.beams}")
     if a.beams:
@@ -75,24 +80,16 @@ def generate(a) -> int:
                  if v is not None]
         if given:
             raise SpecforkError(f"--beams is greedy beam search: drop {', '.join(given)}")
-    if not 0 <= a.drafts <= MAX_PATHS:
-        raise SpecforkError(f"--drafts must be in [0, {MAX_PATHS}], got {a.drafts}")
     given = [k for k, v in drafting.items() if v is not None]
     if a.drafts == 0 and given:
         raise SpecforkError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} "
                             "only with --drafts N (N >= 1)")
-    draft_len = 4 if a.draft_len is None else a.draft_len
-    if not 1 <= draft_len <= MAX_DRAFT_LEN:
-        raise SpecforkError(f"--draft-len must be in [1, {MAX_DRAFT_LEN}], got {draft_len}")
+    draft_len = DRAFT_LEN if a.draft_len is None else a.draft_len
+    check_drafting(a.drafts, draft_len, a.drafter, a.target, a.min_conf, a.draft_vocab)
     check_device(a.device)
-    if a.min_conf is not None and not 0.0 <= a.min_conf <= 1.0:
-        raise SpecforkError(f"--min-conf must be in [0, 1], got {a.min_conf}")
-    if a.draft_vocab is not None and a.draft_vocab < 0:
-        raise SpecforkError(f"--draft-vocab must be >= 0, got {a.draft_vocab}")
     check_sampling(a.max_new_tokens, a.temperature, a.top_p, a.top_k, a.seed)
     prompt = _prompt(a)
-    if not prompt.strip():
-        raise SpecforkError("the prompt is empty")
+    check_prompt(prompt)
     dtype = getattr(torch, a.dtype) if a.dtype else None
     dec = SpecDecoder.from_pretrained(target=a.target, drafts=a.drafts, drafter=a.drafter,
                                       draft_len=draft_len, dtype=dtype, device=a.device,
@@ -100,7 +97,7 @@ def generate(a) -> int:
     tok = dec.tokenizer
     if a.beams:
         from specfork.search import beam_search
-        res = beam_search(dec, prompt, num_beams=a.beams, max_new_tokens=a.max_new_tokens,
+        res = beam_search(dec.engine, prompt, num_beams=a.beams, max_new_tokens=a.max_new_tokens,
                           raw=a.raw)
     else:
         shown = {"ids": [], "text": ""}

@@ -18,6 +18,14 @@ class BranchReleased(RuntimeError):
     """An operation on a branch that was already released."""
 
 
+def blocks_for(tokens: int, block_size: int, forks: int = 0, fork_tokens: int = 0) -> int:
+    """Blocks a pool needs for one branch of up to `tokens` tokens plus `forks` live forks of it
+    that each append up to `fork_tokens`: a fork's first write may copy the shared partial tail
+    block once (CoW), then fills blocks of its own. The one pool-sizing rule of the engine, the
+    model drafters and the sessions."""
+    return -(-tokens // block_size) + forks * (1 + -(-fork_tokens // block_size))
+
+
 class BlockPool:
     """Per-layer K/V storage `[layers, num_blocks, block_size, kv_heads, head_dim]` + refcounts."""
 

@@ -61,7 +61,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)   # stays 1 line
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                      dtype=torch.float32)
-    del model.config.quantization_config    # weights are plain fp32 now
+    if hasattr(model.config, "quantization_config"):     # transformers 5 records the GGUF's;
+        del model.config.quantization_config            # the weights are plain fp32 now
     model.hf_quantizer = None
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -72,10 +73,14 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
 
 def embedded_dir() -> Path:
-    """Cached safetensors conversion of the embedded GGUF (keyed by the GGUF's size and mtime)."""
+    """Cached safetensors conversion of the embedded GGUF, keyed by the GGUF's size and mtime
+    and by the transformers version that wrote it (its tokenizer files do not load in other
+    majors: 5.x writes a tokenizer class 4.x lacks)."""
+    import transformers
     gguf = embedded_gguf()
     st = gguf.stat()
-    key = hashlib.sha1(f"{gguf}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    key = hashlib.sha1(f"{gguf}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}"
+                       .encode()).hexdigest()[:10]
     out = cache_root() / f"smollm2-135m-instruct-{key}"
     if not (out / "config.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,9 @@
 """Llama-family forward (Llama 2/3/3.1, Mistral, Qwen2, SmolLM2; GQA) over the paged KV tree.
 
 Weights are borrowed from a transformers model (no copies). One entry point, `forward`, covers
-prefill, decode and tree verification: new tokens at explicit positions attend to a gathered
-prefix plus each other under a mask, and their K/V are written into KV-tree slots.
+prefill, decode and tree verification: new tokens at explicit positions write their K/V into
+KV-tree slots and attend as the step's `AttnMeta` says (`specfork/attention.py`: the slots read,
+the masks, the attention path).
 """
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specfork.kernels.tree_attention import (_group_rows, _ungroup_rows, tree_attention,
-                                             tree_attention_torch)
+from specfork.attention import AttnMeta
 from specfork.errors import SpecforkError
 from specfork.kv_tree import BlockPool
 
@@ -26,7 +26,7 @@ class UnsupportedModel(SpecforkError):
 class Linear:
     """y = x @ w.T + b over borrowed weights. On CPU (fp32, or bf16) it may also keep `w`
     pre-packed for oneDNN: the few-row matmuls of decoding (1 row), beams (W rows) and tree
-    verification (tree-size rows) then run near memory bandwidth, 1.7-3.2x faster than
+    verification (tree-size rows) then run near memory bandwidth, 1.6-2.8x faster than
     F.linear, whose sgemm re-packs the weights on every call (results/linear_cpu.json, from
     eval/bench_linear.py)."""
     __slots__ = ("w", "b", "packed")
@@ -57,12 +57,6 @@ class Linear:
 
 PACK_ROWS = 8              # oneDNN's layout hint: the row count the packing is tuned for
 MAX_PACKED_ROWS = 32       # decode, beams, draft trees; longer prompt prefills keep HF's GEMM
-# A tree over a prefix this short (and not passing its own prefix_mask) attends with two plain
-# bmm's under one additive mask built per forward instead of the cascade's two flash calls,
-# whose fixed cost dominates there. Timed interleaved on the 2-core dev CPU (fp32 target, one
-# layer's attention): the two break even near 800 prefix tokens, so 384 is a safe cut; whole
-# target forward of a 7-token tree over 150 (350) prefix tokens: 41.9 ms vs 46.1 (49.8 vs 52.2).
-SHORT_PREFIX, SHORT_TREE = 384, 64
 
 
 @dataclass
@@ -183,43 +177,17 @@ class Model:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, pool: BlockPool,
-                prefix_slots: torch.Tensor, write_slots: torch.Tensor | None = None,
-                write_src: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
-                prefix_mask: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                logits_idx: torch.Tensor | slice | None = None,
+                meta: AttnMeta, logits_idx: torch.Tensor | slice | None = None,
                 head: Linear | None = None) -> torch.Tensor:
         """Logits `[T', V]` for `tokens [T]` at `positions [T]` (`[T', K]` over the K rows of
-        `head`, a vocabulary subset of lm_head, where one is given).
-
-        Each new token attends to the pool slots `prefix_slots [L]` (all of them, or those where
-        `prefix_mask [T, L]` is True) and to the new tokens where `tree_mask [T, T]` is True
-        (None: every new token sees every other — use it only for T=1). The new K/V row
-        `write_src[i]` (default i) is written to slot `write_slots[i]`; a tree node that lies on
-        several draft forks is written once per fork. `block_table` (paged prefix, GPU path)
-        may stand in for `prefix_slots`.
-        """
+        `head`, a vocabulary subset of lm_head, where one is given). What the new tokens read,
+        write and see is `meta`, built once per step (`specfork/attention.py`)."""
         T = tokens.shape[0]
         H, KVH, D = self.num_heads, self.kv_heads, self.head_dim
         nq, nqk = H * D, (H + KVH) * D
         x = self.embed[tokens]                                           # [T, hidden]
         cos, sin = self.rope(positions)
-        use_kernel = block_table is not None and prefix_mask is None
-        # Decode fast path (T=1, linear cache): write the new K/V first, then one gather of
-        # prefix + new slot and a plain softmax attention; no cascade, no mask.
-        decode = (T == 1 and write_slots is not None and write_src is None and not use_kernel
-                  and prefix_mask is None)
-        if decode:
-            all_slots = torch.cat((prefix_slots, write_slots))
-        if write_src is not None:
-            write_src = write_src.to(x.device)
-        L = prefix_slots.numel()
-        if (prefix_mask is None and not decode and not use_kernel and x.device.type == "cpu"
-                and 0 < L <= SHORT_PREFIX and 1 < T <= SHORT_TREE):
-            prefix_mask = torch.ones(T, L, dtype=torch.bool)        # short prefix: bmm path
-            if tree_mask is None:
-                tree_mask = torch.ones(T, T, dtype=torch.bool)
-        if prefix_mask is not None:
-            bias = _mask_bias(prefix_mask, tree_mask, H // KVH, x.dtype)
+        write, src = meta.write, meta.write_src
         for i, ly in enumerate(self.layers):
             h = rms_norm(x, ly.ln1, self.eps)
             qkv = ly.qkv(h)                          # [T, (H+2KVH)*D]
@@ -227,62 +195,13 @@ class Model:
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, nqk:].view(T, KVH, D)
             kf, vf = pool.layer_slots(i)                                # [slots, KVH, D]
-            if write_slots is not None:                   # write_src: a node on several forks
-                kw = k if write_src is None else k.index_select(0, write_src)
-                vw = v if write_src is None else v.index_select(0, write_src)
-                kf.index_copy_(0, write_slots, kw)
-                vf.index_copy_(0, write_slots, vw)
-            if decode:
-                a = _decode_attention(q, kf.index_select(0, all_slots),
-                                      vf.index_select(0, all_slots), self.scale)
-            elif use_kernel:
-                a = tree_attention(q, pool.k[i], pool.v[i], block_table, prefix_slots.numel(),
-                                   k, v, tree_mask, self.scale)
-            elif prefix_mask is None:
-                a = tree_attention_torch(q, kf.index_select(0, prefix_slots),
-                                         vf.index_select(0, prefix_slots), k, v,
-                                         tree_mask, self.scale)
-            else:
-                a = _masked_attention(q, kf.index_select(0, prefix_slots),
-                                      vf.index_select(0, prefix_slots), k, v, bias, self.scale)
+            if write is not None:
+                kf.index_copy_(0, write, k if src is None else k.index_select(0, src))
+                vf.index_copy_(0, write, v if src is None else v.index_select(0, src))
+            a = meta.attend(q, k, v, kf, vf, self.scale)
             x = ly.o.add_to(x, a.reshape(T, nq))
             g, u = ly.gate_up(rms_norm(x, ly.ln2, self.eps)).chunk(2, dim=-1)
             x = ly.down.add_to(x, F.silu(g) * u)
         if logits_idx is not None:
             x = x[logits_idx]
         return (self.lm_head if head is None else head)(rms_norm(x, self.norm, self.eps))
-
-
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """One query `[1, H, D]` over keys/values `[L, KVH, D]` -> `[1, H, D]`; the G query heads
-    of a kv head are rows of one bmm (GQA without repeating K/V)."""
-    KVH, D = k.shape[1:]
-    s = torch.bmm(_group_rows(q, KVH), k.permute(1, 2, 0)).mul_(scale)    # [KVH, G, L]
-    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
-    return torch.bmm(p, v.transpose(0, 1)).view(1, -1, D)
-
-
-def _mask_bias(prefix_mask: torch.Tensor, tree_mask: torch.Tensor | None, G: int, dtype):
-    """Additive mask `[T*G, L+T]` (0 / -inf) for `_masked_attention`, built once per forward:
-    row t*G+g is query head g of token t's kv group. tree_mask None: each token sees itself."""
-    T = prefix_mask.shape[0]
-    if tree_mask is None:
-        tree_mask = torch.eye(T, dtype=torch.bool, device=prefix_mask.device)
-    see = torch.cat([prefix_mask, tree_mask], dim=1).repeat_interleave(G, dim=0)
-    return torch.zeros(see.shape, dtype=dtype, device=see.device).masked_fill_(~see, float("-inf"))
-
-
-def _masked_attention(q, k_prefix, v_prefix, k_new, v_new, bias, scale):
-    """Queries that each see their own subset of a shared prefix (beams, draft paths over a KV
-    tree): q `[T, H, D]`, prefix K/V `[L, KVH, D]`, new K/V `[T, KVH, D]`, bias `[T*G, L+T]`.
-    Two bmm's with the G heads of a kv head as rows (no K/V repeat, no SDPA mask path)."""
-    KVH = k_new.shape[1]
-    k = torch.cat([k_prefix, k_new]).permute(1, 2, 0)                 # [KVH, D, L+T]
-    v = torch.cat([v_prefix, v_new]).transpose(0, 1)                  # [KVH, L+T, D]
-    s = torch.baddbmm(bias, _group_rows(q, KVH), k, alpha=scale)      # [KVH, T*G, L+T]
-    p = torch.softmax(s, dim=-1, dtype=torch.float32)
-    return _ungroup_rows(torch.bmm(p.to(v.dtype), v), q.shape[0])
-
-
-def causal_mask(T: int, device=None) -> torch.Tensor:
-    return torch.ones(T, T, dtype=torch.bool, device=device).tril()

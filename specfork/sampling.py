@@ -6,7 +6,38 @@ and so that a speculative run samples from exactly what `model.generate(do_sampl
 """
 from __future__ import annotations
 
+import math
+
 import torch
+
+from specfork.errors import SpecforkError
+from specfork.types import SamplingParams
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_p=None, top_k=None,
+                   seed: int | None = None) -> None:
+    """The request's generation settings, checked once for every entry point. `top_k` None or 0
+    and `top_p` None or 1.0 disable that filter, as in Hugging Face `generate`."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise SpecforkError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+    if temperature is None or not math.isfinite(temperature) or temperature < 0:
+        raise SpecforkError(f"temperature must be a finite number >= 0, got {temperature}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise SpecforkError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 0):
+        raise SpecforkError(f"top_k must be an integer >= 0 (0: no top-k), got {top_k}")
+    if seed is not None and not -2 ** 63 <= seed < 2 ** 64:        # what torch accepts
+        raise SpecforkError(f"seed must be in [-2**63, 2**64), got {seed}")
+
+
+def sampling_params(temperature: float = 0.0, top_p: float | None = None,
+                    top_k: int | None = None, seed: int | None = None,
+                    generator: torch.Generator | None = None) -> SamplingParams:
+    """A request's SamplingParams; `seed` makes a CPU generator (a given `generator` wins)."""
+    if generator is None and seed is not None:
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+    return SamplingParams(temperature=float(temperature), top_k=top_k or None, top_p=top_p,
+                          generator=generator)
 
 
 def probs_from_logits(logits: torch.Tensor, temperature: float, top_k: int | None = None,
@@ -46,3 +77,12 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int
     if generator is not None and probs.device != generator.device:
         probs = probs.to(generator.device)          # a seeded CPU generator, a GPU model
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def pick(logits: torch.Tensor, sp: SamplingParams) -> int:
+    """The next token from one position's logits `[V]`: argmax when greedy, else a draw from the
+    warped distribution (the one rule of every loop that emits a token without a verifier)."""
+    if sp.greedy:
+        return int(logits.argmax())
+    return sample(probs_from_logits(logits.float(), sp.temperature, sp.top_k, sp.top_p),
+                  sp.generator)

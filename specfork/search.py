@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specfork.decoder import GenerateOutput, check_sampling
+from specfork.engine import Engine
 from specfork.errors import SpecforkError
 from specfork.kv_tree import Branch, KVTree, PoolExhausted
+from specfork.sampling import check_sampling
 from specfork.session import copy_branch, forward_branches
+from specfork.types import GenerateOutput
 
 NEG = -1.0e9                                     # HF's "impossible" score offset
 
@@ -137,23 +139,23 @@ def _regroup(kv: KVTree, old: list[Branch], parents: list[int], naive: bool,
     return new
 
 
-def beam_search(dec, prompt: str | list[int], num_beams: int = 4, max_new_tokens: int = 128,
-                raw: bool = False, naive: bool = False, length_penalty: float = 1.0,
-                early_stopping: bool | str = False, trace: bool = False) -> BeamOutput:
-    """Best beam-search continuation of `prompt` on `dec`'s model and KV tree; equals HF's
-    `generate(num_beams=W, do_sample=False)` with the same length_penalty / early_stopping.
-    `trace=True` keeps every step's candidates (for explaining a divergence from HF)."""
+def beam_search(engine: Engine, prompt: str | list[int], num_beams: int = 4,
+                max_new_tokens: int = 128, raw: bool = False, naive: bool = False,
+                length_penalty: float = 1.0, early_stopping: bool | str = False,
+                trace: bool = False) -> BeamOutput:
+    """Best beam-search continuation of `prompt` on `engine`'s model and KV tree (a
+    SpecDecoder's `.engine` shares them); equals HF's `generate(num_beams=W, do_sample=False)`
+    with the same length_penalty / early_stopping. `trace=True` keeps every step's candidates
+    (for explaining a divergence from HF)."""
     if not isinstance(num_beams, int) or num_beams < 1:
         raise SpecforkError(f"num_beams must be a positive integer, got {num_beams}")
     if early_stopping not in (False, True, "never"):
         raise SpecforkError(f"early_stopping must be True, False or 'never', got {early_stopping}")
-    check_sampling(max_new_tokens, 0.0, None, None)
-    m, kv, pool, W = dec.model, dec.kv, dec.pool, num_beams
-    prompt_ids = dec.encode(prompt, raw)
-    if len(prompt_ids) + max_new_tokens > dec.context_len:
-        raise SpecforkError(f"{len(prompt_ids)} prompt + {max_new_tokens} new tokens exceed the "
-                            f"model's {dec.context_len} positions")
-    eos = torch.tensor(sorted(dec.eos), dtype=torch.long)
+    check_sampling(max_new_tokens, 0.0)
+    m, kv, pool, W = engine.model, engine.kv, engine.pool, num_beams
+    prompt_ids = engine.encode(prompt, raw)
+    engine.check_length(len(prompt_ids), max_new_tokens)
+    eos = torch.tensor(sorted(engine.eos), dtype=torch.long)
     used0 = pool.used_blocks
     pool.reset_peak()
     t0 = time.perf_counter()
@@ -188,7 +190,7 @@ def beam_search(dec, prompt: str | list[int], num_beams: int = 4, max_new_tokens
                 kv.release(b)
     wall = time.perf_counter() - t0
     best = st.fin_seqs[0]
-    text = dec.tokenizer.decode(best, skip_special_tokens=True) if dec.tokenizer else ""
+    text = engine.decode(best)
     n = len(best)
     stats = {"new_tokens": n, "target_forwards": forwards, "mean_accepted": n / forwards,
              "tokens_per_s": n / wall if wall > 0 else 0.0, "wall_s": wall,

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specfork.decoder import SpecDecoder, check_sampling, check_token_ids
+from specfork.engine import Engine, check_token_ids
 from specfork.errors import SpecforkError
 from specfork.kv_tree import Branch, BranchReleased, KVTree
-from specfork.model import Model, causal_mask
-from specfork.sampling import probs_from_logits, sample
+from specfork.attention import AttnMeta, causal_mask
+from specfork.model import Model
+from specfork.sampling import check_sampling, pick, sampling_params
 
 
 def gather_prefix(kv: KVTree, branches: list[Branch]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +49,6 @@ def forward_branches(model: Model, kv: KVTree, branches: list[Branch],
         prefix, pmask = gather_prefix(kv, branches)
         if T != len(branches):
             pmask = pmask.repeat_interleave(torch.tensor(lens), dim=0)
-        pmask = pmask.to(dev)
     write, start = [], [b.length for b in branches]
     try:
         for b, n in zip(branches, lens):
@@ -59,17 +59,16 @@ def forward_branches(model: Model, kv: KVTree, branches: list[Branch],
                 kv.truncate(b, n0)
         raise
     write = torch.cat(write)
-    if T == 1 or T == len(branches):
-        tree = None                              # each token sees itself (T=1: itself only)
-    elif len(branches) == 1:
-        tree = causal_mask(T, dev)
-    else:                                        # block-diagonal causal: own feed only
-        seg = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-        tree = ((seg[:, None] == seg[None, :]) & causal_mask(T)).to(dev)
     idx = slice(T - 1, T) if len(branches) == 1 else last.to(dev)
     try:
-        return model.forward(tokens.to(dev), positions.to(dev), kv.pool, prefix.to(dev),
-                             write.to(dev), tree_mask=tree, prefix_mask=pmask, logits_idx=idx)
+        if len(branches) == 1:                   # a causal chain after the branch's prefix
+            meta = AttnMeta.prefill(model, prefix, write)
+        else:                                    # block-diagonal causal: own feed only
+            seg = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+            tree = (None if T == len(branches)  # one token each: it sees itself
+                    else (seg[:, None] == seg[None, :]) & causal_mask(T))
+            meta = AttnMeta.branches(model, prefix, write, pmask, tree)
+        return model.forward(tokens.to(dev), positions.to(dev), kv.pool, meta, logits_idx=idx)
     except BaseException:                       # no half-written tokens stay in the branches
         for b, n0 in zip(branches, start):
             kv.truncate(b, n0)
@@ -113,16 +112,10 @@ class Session:
     for measuring what sharing saves; everything else is identical.
     """
 
-    def __init__(self, model: Model, tokenizer=None, kv: KVTree | None = None,
-                 max_kv_tokens: int = 8192, block_size: int | None = None,
-                 eos_token_ids: list[int] | None = None, full_copy: bool = False):
-        self.model, self.tokenizer = model, tokenizer
-        block_size = block_size or model.block_size
-        self.kv = kv or KVTree(model.make_pool(num_blocks=-(-max_kv_tokens // block_size),
-                                               block_size=block_size))
-        self.pool = self.kv.pool
-        eos = model.hf.generation_config.eos_token_id if eos_token_ids is None else eos_token_ids
-        self.eos = set(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+    def __init__(self, engine: Engine, full_copy: bool = False):
+        self.engine = engine
+        self.model, self.tokenizer, self.kv = engine.model, engine.tokenizer, engine.kv
+        self.pool, self.eos = engine.pool, engine.eos
         self.full_copy = full_copy
         self.forks = 0
         self.fork_ns: list[int] = []            # wall time of every fork, for latency stats
@@ -130,13 +123,13 @@ class Session:
 
     @classmethod
     def from_decoder(cls, dec, **kw) -> "Session":
-        """Share a SpecDecoder's model, tokenizer, KV tree and EOS set."""
-        return cls(dec.model, dec.tokenizer, kv=dec.kv, eos_token_ids=sorted(dec.eos), **kw)
+        """A session on a SpecDecoder's engine: its model, tokenizer, KV tree and EOS set."""
+        return cls(dec.engine, **kw)
 
     # -- contexts -------------------------------------------------------------------------------
     def start(self, prompt: str | list[int], raw: bool = False) -> Handle:
         """A new root context (computed lazily, at the first fork or generate)."""
-        ids = SpecDecoder.encode(self, prompt, raw)   # same rules: chat template, id range
+        ids = self.engine.encode(prompt, raw)
         return Handle(self.kv.new_branch(), list(ids), list(ids))
 
     def extend(self, h: Handle, tokens: str | list[int]) -> Handle:
@@ -208,6 +201,7 @@ class Session:
         check_sampling(max_new_tokens, temperature, top_p, top_k)
         if len({id(h.branch) for h in handles}) != len(handles):
             raise ValueError("generate_many needs distinct handles")
+        sp = sampling_params(temperature, top_p, top_k, generator=generator)
         out: list[list[int]] = [[] for _ in handles]
         live = list(range(len(handles)))
         while live:
@@ -215,9 +209,7 @@ class Session:
             nxt = []
             for i in live:
                 h = handles[i]
-                lg = h.logits.float()
-                t = int(lg.argmax()) if temperature == 0.0 else \
-                    sample(probs_from_logits(lg, temperature, top_k, top_p), generator)
+                t = pick(h.logits, sp)
                 out[i].append(t)
                 self.extend(h, [t])
                 if t not in self.eos and len(out[i]) < max_new_tokens:

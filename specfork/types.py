@@ -28,3 +28,12 @@ class DraftPath:
     q: torch.Tensor | None = None          # [len(tokens), V] draft distribution per token
     drafter: str = ""                      # who proposed it (for per-drafter stats)
     meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class GenerateOutput:
+    """One request's result: the new tokens (and text), the prompt's ids, and measured stats."""
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    stats: dict = field(default_factory=dict)

@@ -1,5 +1,6 @@
 """The eval scripts as a user runs them: bad input is one line on stderr and exit status 2,
-checked before any model loads."""
+checked before any model loads; what they write names its command and machine."""
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
     ("train_draft", ["gen", "--batch", "0"], "--batch must be > 0"),
     ("train_draft", ["train", "--data", "/no/such/data.pt"], "No such file"),
     ("run_table", ["--beams", "0"], "--beams must be positive"),
+    ("bench_tree_attention", ["--trees", "1"], "--trees must be >= 2"),
 ])
 def test_bad_input_is_one_line(script, args, needle):
     p = subprocess.run([sys.executable, str(ROOT / "eval" / f"{script}.py"), *args],
@@ -32,3 +34,28 @@ def test_bad_input_is_one_line(script, args, needle):
     assert lines[-1].startswith(script)
     if script != "run_table":                        # argparse's error prints its usage first
         assert len(lines) == 1, p.stderr
+
+
+def test_provenance_fields():
+    from provenance import command, machine
+    assert command("bench_x", ["--out", "a b.json", "-k"]) == \
+        "python eval/bench_x.py --out 'a b.json' -k"
+    assert command("bench_x", []) == "python eval/bench_x.py"
+    m = machine()
+    assert m["cores"] >= 1 and m["torch_threads"] >= 1 and m["cpu"]
+    assert {"torch", "transformers", "python", "platform", "loadavg_1m_start", "date"} <= m.keys()
+
+
+def test_result_file_names_its_command(tmp_path):
+    """A bench run end to end (tiny sizes): the JSON's command reruns it, and names the machine."""
+    out = tmp_path / "t.json"
+    args = ["--trees", "2", "4", "--prefixes", "16", "--min-s", "0.01", "--json", str(out)]
+    p = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_tree_attention.py"), *args],
+                       capture_output=True, text=True, timeout=300, env=ENV)
+    assert p.returncode == 0, p.stderr
+    res = json.loads(out.read_text())
+    assert res["command"] == "python eval/bench_tree_attention.py " + " ".join(args)
+    assert res["machine"]["cores"] == os.cpu_count()
+    assert [(r["tree_size"], r["prefix_len"], r["engine_path"]) for r in res["results"]] == \
+        [(2, 16, "masked"), (4, 16, "masked")]
+    assert all(r["max_abs_diff"] < 1e-4 for r in res["results"])

@@ -5,7 +5,8 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen
 
 from specfork.decoder import SpecDecoder
 from specfork.kv_tree import KVTree
-from specfork.model import Model, causal_mask
+from specfork.attention import AttnMeta
+from specfork.model import Model
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -31,12 +32,11 @@ def _prefill_then_decode(model: Model, ids: torch.Tensor, split: int) -> torch.T
     kv = KVTree(pool)
     b = kv.new_branch()
     slots = kv.append(b, split)
-    out = [model.forward(ids[:split], torch.arange(split), pool, slots[:0], slots,
-                         tree_mask=causal_mask(split))]
+    out = [model.forward(ids[:split], torch.arange(split), pool,
+                         AttnMeta.prefill(model, slots[:0], slots))]
     for i in range(split, len(ids)):
-        prefix = kv.slots(b)
-        s = kv.append(b, 1)
-        out.append(model.forward(ids[i:i + 1], torch.tensor([i]), pool, prefix, s))
+        meta = AttnMeta.prefill(model, kv.slots(b), kv.append(b, 1))
+        out.append(model.forward(ids[i:i + 1], torch.tensor([i]), pool, meta))
     kv.release(b)
     assert pool.used_blocks == 0
     return torch.cat(out)

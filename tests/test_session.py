@@ -4,6 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from specfork.decoder import SpecDecoder
+from specfork.engine import Engine
 from specfork.errors import SpecforkError
 from specfork.kv_tree import BranchReleased, PoolExhausted
 from specfork.model import Model
@@ -31,7 +32,7 @@ def _shared_prefix_blocks(s: Session, a, b) -> int:
 
 
 def test_fork_is_metadata_and_release_frees(tiny):
-    s = Session(tiny, eos_token_ids=[], max_kv_tokens=1024, block_size=16)
+    s = Session(Engine(tiny, eos_token_ids=[], max_kv_tokens=1024, block_size=16))
     root = s.start(_ids(40, 1))
     s.logits(root)                                   # prefill: 3 blocks (40 tokens)
     used = s.pool.used_blocks
@@ -63,7 +64,7 @@ def test_branches_equal_independent_runs_tiny(tiny):
 
 
 def test_generate_many_is_one_forward_per_step(tiny):
-    s = Session(tiny, eos_token_ids=[], max_kv_tokens=1024)
+    s = Session(Engine(tiny, eos_token_ids=[], max_kv_tokens=1024))
     root = s.start(_ids(30, 5))
     hs = [s.extend(s.fork(root), [t]) for t in (3, 4, 5)]
     alone = [s.fork(h) for h in hs]                  # flushed at fork: same contexts
@@ -77,7 +78,8 @@ def test_generate_many_is_one_forward_per_step(tiny):
 def test_full_copy_same_tokens_more_memory(tiny, bs):
     out, peak = {}, {}
     for full in (False, True):
-        s = Session(tiny, eos_token_ids=[], max_kv_tokens=2048, block_size=bs, full_copy=full)
+        s = Session(Engine(tiny, eos_token_ids=[], max_kv_tokens=2048, block_size=bs),
+                    full_copy=full)
         root = s.start(_ids(64, 6))
         s.logits(root)
         s.pool.reset_peak()
@@ -96,7 +98,7 @@ def test_full_copy_same_tokens_more_memory(tiny, bs):
 
 
 def test_session_errors(tiny):
-    s = Session(tiny, eos_token_ids=[], max_kv_tokens=256)
+    s = Session(Engine(tiny, eos_token_ids=[], max_kv_tokens=256))
     with pytest.raises(SpecforkError):
         s.start([])
     with pytest.raises(SpecforkError):
@@ -121,7 +123,7 @@ def test_session_errors(tiny):
 def test_failed_forward_leaves_the_context_as_it_was(tiny, monkeypatch):
     """A forward that fails (out of memory, Ctrl-C) writes nothing the branch keeps: the
     pending tokens are computed by the next call, which then equals a run that never failed."""
-    s = Session(tiny, eos_token_ids=[], max_kv_tokens=256)
+    s = Session(Engine(tiny, eos_token_ids=[], max_kv_tokens=256))
     ref = s.generate(s.start(_ids(12, 3)), max_new_tokens=5)
     h = s.start(_ids(12, 3))
     s.logits(h)

@@ -12,7 +12,8 @@ from specfork.drafters.model_drafter import ModelDrafter
 from specfork.drafters.ngram import NgramDrafter
 from specfork.errors import SpecforkError
 from specfork.kv_tree import KVTree
-from specfork.model import Model, causal_mask
+from specfork.attention import AttnMeta
+from specfork.model import Model
 from specfork.token_tree import TokenTree
 
 
@@ -122,7 +123,7 @@ def test_failure_mid_generate_frees_every_fork():
 
 
 def test_decoder_refuses_oversized_drafting():
-    with pytest.raises(SpecforkError, match="draft length"):
+    with pytest.raises(SpecforkError, match="draft_len must be in"):
         SpecDecoder(Model(_tiny(0, 0.8)), None, [NgramDrafter()], num_paths=2, draft_len=10**9)
 
 
@@ -201,44 +202,40 @@ def test_greedy_identical_to_hf_generate(smol, hf_greedy, mix, paths):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("short_prefix", [384, 0], ids=["bmm", "cascade"])
-def test_verify_forward_matches_per_path_decoding(smol, mt_prompts, monkeypatch, short_prefix):
+@pytest.mark.parametrize("short_prefix,path", [(384, "masked"), (0, "cascade")],
+                         ids=["bmm", "cascade"])
+def test_verify_forward_matches_per_path_decoding(smol, mt_prompts, monkeypatch, short_prefix,
+                                                  path):
     """One tree forward gives every node the logits of decoding its path token by token, on both
     CPU attention paths (short prefixes: two bmm's under one mask; longer: the flash cascade)."""
-    import specfork.model as sm
-    monkeypatch.setattr(sm, "SHORT_PREFIX", short_prefix)
+    import specfork.attention as sa
+    monkeypatch.setattr(sa, "SHORT_PREFIX", short_prefix)
     hf, tok, model = smol
     ids = tok(mt_prompts[3]["text"])["input_ids"][:37]           # prefix ends mid-block
     pool = model.make_pool(num_blocks=64)
     kv = KVTree(pool)
     B = kv.new_branch()
     s = kv.append(B, len(ids))
-    model.forward(torch.tensor(ids), torch.arange(len(ids)), pool, s[:0], s,
-                  tree_mask=causal_mask(len(ids)))
+    model.forward(torch.tensor(ids), torch.arange(len(ids)), pool,
+                  AttnMeta.prefill(model, s[:0], s))
     g = torch.Generator().manual_seed(0)
     paths = [DraftPath(torch.randint(0, 49152, (k,), generator=g).tolist())
              for k in (5, 3, 4)]
     paths.append(DraftPath(paths[0].tokens[:2] + [7, 8]))          # shares a prefix
     tree = TokenTree.build(ids[-1], paths, budget=64)
     n = B.length
-    logits = model.forward(tree.tokens, tree.positions(n), pool, kv.slots(B),
-                           tree_mask=tree.ancestor_mask())
+    meta = AttnMeta.tree(model, kv.slots(B), tree.ancestor_mask())      # scored, not stored
+    assert meta.path == path
+    logits = model.forward(tree.tokens, tree.positions(n), pool, meta)
     for leaf in tree.leaf_paths():
         f = kv.fork(B)
         for node in leaf:
-            prefix = kv.slots(f)
-            slot = kv.append(f, 1)
+            step = AttnMeta.prefill(model, kv.slots(f), kv.append(f, 1))
+            assert step.path == "decode"
             ref = model.forward(tree.tokens[node:node + 1], torch.tensor([f.length - 1]), pool,
-                                prefix, slot)
+                                step)
             torch.testing.assert_close(logits[node], ref[0], atol=1e-4, rtol=0)
         kv.release(f)
-    # tree_mask=None: every new token sees every other (a chain fed as one block, causal order
-    # aside) - the same on both paths as an explicit all-ones mask
-    chain = tree.tokens[:3]
-    full = model.forward(chain, tree.positions(n)[:3], pool, kv.slots(B),
-                         tree_mask=torch.ones(3, 3, dtype=torch.bool))
-    none = model.forward(chain, tree.positions(n)[:3], pool, kv.slots(B), tree_mask=None)
-    torch.testing.assert_close(none, full, atol=1e-5, rtol=0)
     kv.release(B)
     assert pool.used_blocks == 0
 

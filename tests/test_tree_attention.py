@@ -209,35 +209,97 @@ def test_random_trees(case, num_splits):
     check(run_torch(c), ref, dtype)
 
 
-@pytest.mark.parametrize("bs", [1, 16])
-def test_engine_verifies_through_the_paged_kernel(monkeypatch, bs):
-    """SpecDecoder's verify step as it runs on GPU (`use_kernel`): the Triton kernel, here
-    under the interpreter, reads the committed prefix in place through the block table; the
-    tokens equal plain greedy decoding, with one-token pages and with 16-token pages."""
+def _tiny_model():
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    import specfork.model as sm
-    from specfork.decoder import SpecDecoder
-    from specfork.drafters.ngram import NgramDrafter
-    calls = []
-
-    def kernel(q, k_cache, v_cache, block_table, prefix_len, k, v, mask, scale):
-        calls.append(prefix_len)
-        return tta.tree_attention_triton(q, k_cache, v_cache, block_table, prefix_len, k, v,
-                                         mask, scale)
-
-    monkeypatch.setattr(sm, "tree_attention", kernel)
+    from specfork.model import Model
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                       initializer_range=0.3)
-    model = sm.Model(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval())
+    return Model(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval())
+
+
+def _as_on_gpu(monkeypatch, calls: list):
+    """Pick attention paths as on a CUDA device, and run the paged path through the Triton
+    kernel under the interpreter (recording each call's prefix length)."""
+    import specfork.attention as sa
+    pick = sa.pick_path
+
+    def kernel(q, k_cache, v_cache, block_table, prefix_len, k, v, mask, scale):
+        assert block_table.dtype == torch.int32 and k_cache.shape[1] == 1   # slots as pages
+        calls.append(prefix_len)
+        return tta.tree_attention_triton(q, k_cache, v_cache, block_table, prefix_len, k, v,
+                                         mask, scale)
+
+    monkeypatch.setattr(sa, "pick_path", lambda T, L, **kw: pick(T, L, **{**kw, "gpu": True}))
+    monkeypatch.setattr(sa, "tree_attention", kernel)
+
+
+@pytest.mark.parametrize("bs", [1, 16])
+def test_engine_verifies_through_the_paged_kernel(monkeypatch, bs):
+    """SpecDecoder as it runs on GPU: the prompt through fused causal SDPA, every verify step
+    through the Triton kernel (here under the interpreter), which reads the committed prefix in
+    place with the prefix slots as its block table; the tokens equal plain greedy decoding on
+    the CPU paths, with one-token and with 16-token KV blocks."""
+    from specfork.decoder import SpecDecoder
+    from specfork.drafters.ngram import NgramDrafter
+    model = _tiny_model()
     prompt = [5, 6, 7, 8, 9] * 4 + [5, 6]              # repeats: n-gram lookup has paths
     plain = SpecDecoder(model, None, eos_token_ids=[], max_kv_tokens=96, block_size=bs)
+    ref = plain.generate(prompt, max_new_tokens=16).token_ids
+    calls = []
+    _as_on_gpu(monkeypatch, calls)
     spec = SpecDecoder(model, None, [NgramDrafter()], num_paths=2, draft_len=3,
                        eos_token_ids=[], max_kv_tokens=96, block_size=bs)
-    spec.use_kernel = True
     out = spec.generate(prompt, max_new_tokens=16)
-    assert out.token_ids == plain.generate(prompt, max_new_tokens=16).token_ids
-    assert len(calls) == 2 * out.stats["spec_steps"]           # every layer of every verify
+    assert out.token_ids == ref
+    assert len(calls) == 2 * out.stats["spec_steps"] > 0       # every layer of every verify
     assert out.stats["kv_blocks_leaked"] == 0
+
+
+def test_gpu_prefill_paths_match_cpu(monkeypatch):
+    """Prefill as it runs on GPU, forced here on CPU: over an empty prefix fused causal SDPA
+    (no T x T mask), over a prefix the Triton kernel with a causal tree mask. Logits and the
+    K/V written equal the CPU paths' (flash cascade, two bmm's) within fp32 tolerance."""
+    from specfork.attention import AttnMeta
+    from specfork.kv_tree import KVTree
+    model = _tiny_model()
+    ids = torch.randint(0, 64, (29,), generator=torch.Generator().manual_seed(3))
+
+    def prefill_twice():
+        pool = model.make_pool(num_blocks=8, block_size=16)
+        kv = KVTree(pool)
+        b = kv.new_branch()
+        s = kv.append(b, 20)
+        first = AttnMeta.prefill(model, s[:0], s)
+        out = [model.forward(ids[:20], torch.arange(20), pool, first)]
+        second = AttnMeta.prefill(model, kv.slots(b), kv.append(b, 9))   # prefix ends mid-block
+        out.append(model.forward(ids[20:], torch.arange(20, 29), pool, second))
+        k = pool.k.flatten(1, 2)[:, kv.slots(b)]
+        return (first.path, second.path), torch.cat(out), k
+
+    cpu_paths, cpu_logits, cpu_k = prefill_twice()
+    calls = []
+    _as_on_gpu(monkeypatch, calls)
+    gpu_paths, gpu_logits, gpu_k = prefill_twice()
+    assert cpu_paths == ("cascade", "masked") and gpu_paths == ("causal", "paged")
+    assert calls == [20, 20]                                   # both layers, 20-token prefix
+    torch.testing.assert_close(gpu_logits, cpu_logits, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(gpu_k, cpu_k, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T,kvh,group", [(1, 2, 3), (7, 1, 4), (33, 3, 1), (40, 2, 4)])
+def test_causal_attention_matches_cascade(T, kvh, group):
+    """The fused causal path (4-D SDPA, K/V repeated per group) against the float64 reference
+    of a chain and the CPU cascade under a causal tree mask, empty prefix."""
+    from specfork.kernels.dense_attention import causal_attention
+    g = torch.Generator().manual_seed(T)
+    q = torch.randn(T, kvh * group, 64, generator=g)
+    k, v = torch.randn(T, kvh, 64, generator=g), torch.randn(T, kvh, 64, generator=g)
+    empty = k[:0]
+    chain = list(range(-1, T - 1))
+    out = causal_attention(q, k, v, 0.125)
+    check(out, reference(q, empty, empty, k, v, chain, scale=0.125), torch.float32)
+    torch.testing.assert_close(out, tree_attention_torch(q, empty, empty, k, v,
+                                                         ancestor_mask(chain), 0.125))

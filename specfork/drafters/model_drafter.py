@@ -18,14 +18,16 @@ import torch
 
 from specfork.types import DraftPath, SamplingParams
 from specfork.errors import SpecforkError
-from specfork.kv_tree import KVTree
-from specfork.model import Linear, Model, causal_mask
+from specfork.kv_tree import KVTree, blocks_for
+from specfork.attention import AttnMeta
+from specfork.model import Linear, Model
 from specfork.sampling import probs_from_logits
 
 # A path stops after the token that takes its draft probability (the product over its tokens,
 # each a softmax over the draft's output rows: its vocabulary head where it has one) below
 # this. Chosen with eval/tune_drafting.py on six hand-written prompts (none from MT-bench or
-# HumanEval): default mix, 3 paths, 4 tokens: 0.3 ran at 1.19-1.26x our greedy, 0 at 0.81x.
+# HumanEval); results/tune_drafting.json, default mix, 3 paths, 4 tokens: 0.3 runs at 1.20x our
+# greedy, 0 at 0.91x (with the whole output layer: 1.11x against 0.74x); tau 1.88 against 2.10.
 MIN_CONF = 0.3
 
 
@@ -51,8 +53,8 @@ class ModelDrafter:
         self.head_ids: torch.Tensor | None = None
         self.in_head: torch.Tensor | None = None   # [V] bool: which ids the head has
         block_size = block_size or model.block_size
-        blocks = -(-max_kv_tokens // block_size) + max_paths * (-(-max_len // block_size) + 2)
-        self.pool = model.make_pool(num_blocks=blocks, block_size=block_size)
+        self.pool = model.make_pool(num_blocks=blocks_for(max_kv_tokens, block_size, max_paths,
+                                                          max_len), block_size=block_size)
         self.kv = KVTree(self.pool)
         self.C = None
         self.forks: list = []                # live draft forks of C, one per proposed path
@@ -129,10 +131,10 @@ class ModelDrafter:
         if self.in_head is not None:
             self._extend_head(context[n:])          # tokens the draft has not read yet
         feed = torch.tensor(context[n:], device=dev)
-        prefix = kv.slots(self.C).to(dev)
-        slots = kv.append(self.C, len(feed)).to(dev)
-        logits = m.forward(feed, torch.arange(n, len(context), device=dev), self.pool, prefix,
-                           slots, tree_mask=causal_mask(len(feed), dev),
+        prefix = kv.slots(self.C)
+        slots = kv.append(self.C, len(feed))
+        logits = m.forward(feed, torch.arange(n, len(context), device=dev), self.pool,
+                           AttnMeta.prefill(m, prefix, slots),
                            logits_idx=slice(len(feed) - 1, len(feed)), head=self.head)[0]
         first, q0, conf = self._choose(logits, max(1, num_paths), sp)
         # Greedy: any pruning is exact. Sampling: the first draws must stay i.i.d. from q for
@@ -153,24 +155,23 @@ class ModelDrafter:
             if not live:
                 break
             # each live path's last token: its K/V go into its fork, its logits give the next
-            write = [kv.append(self.forks[i], 1).to(dev) for i in live]
+            write = [kv.append(self.forks[i], 1) for i in live]
             last = torch.tensor([toks[i][-1] for i in live], device=dev)
             pos = torch.full((len(live),), base + step - 1, device=dev)
             if len(live) == 1:                                # one path: a plain decode step
-                lg = m.forward(last, pos, self.pool, torch.cat([committed, own[live[0]]]),
-                               write[0], head=self.head)
+                meta = AttnMeta.prefill(m, torch.cat([committed, own[live[0]]]), write[0])
+                lg = m.forward(last, pos, self.pool, meta, head=self.head)
             else:                                             # each query sees C + its fork
                 mine = [own[i] for i in live]
                 prefix_slots = torch.cat([committed] + mine)
-                mask = torch.zeros(len(live), prefix_slots.numel(), dtype=torch.bool,
-                                   device=dev)
+                mask = torch.zeros(len(live), prefix_slots.numel(), dtype=torch.bool)
                 mask[:, :base] = True
                 col = base
                 for j, o in enumerate(mine):
                     mask[j, col:col + o.numel()] = True
                     col += o.numel()
-                lg = m.forward(last, pos, self.pool, prefix_slots, torch.cat(write),
-                               prefix_mask=mask, head=self.head)
+                meta = AttnMeta.branches(m, prefix_slots, torch.cat(write), mask)
+                lg = m.forward(last, pos, self.pool, meta, head=self.head)
             for j, i in enumerate(live):
                 own[i] = torch.cat([own[i], write[j]])
                 (t,), q, (c,) = self._choose(lg[j], 1, sp)

@@ -9,35 +9,61 @@ from specfork.errors import SpecforkError
 DEFAULTS = {"smollm2-135m": "ngram,trained"}
 
 
+MAX_PATHS = MAX_DRAFT_LEN = 64       # beyond these a verify tree outgrows any useful budget
+DRAFT_LEN = 4                        # default longest draft path
+
+
+def parse_spec(spec: str | None, target: str) -> list[tuple[str, str]]:
+    """"ngram,model:ID" -> [("ngram", ""), ("model", "ID")]; None: the target's default mix."""
+    spec = spec or DEFAULTS.get(target.lower(), "ngram")
+    items = [s.strip().partition(":")[::2] for s in spec.split(",") if s.strip()]
+    for kind, arg in items:
+        if kind not in ("ngram", "model", "trained"):
+            raise SpecforkError(f"unknown drafter '{kind}' (use ngram, trained or "
+                                "model:ID_OR_PATH)")
+        if kind == "model" and not arg:
+            raise SpecforkError("drafter 'model' needs a model: model:ID_OR_PATH")
+    if not items:
+        raise SpecforkError(f"empty drafter spec '{spec}'")
+    return items
+
+
+def check_drafting(drafts: int, draft_len: int, spec: str | None = None, target: str = "",
+                   min_conf: float | None = None, draft_vocab: int | None = None) -> None:
+    """Every drafting option, checked before any weights load (the CLI relies on it)."""
+    from specfork.drafters.model_drafter import check_min_conf
+    from specfork.drafters.trained_draft import check_draft_vocab
+    if not isinstance(drafts, int) or not 0 <= drafts <= MAX_PATHS:
+        raise SpecforkError(f"drafts must be in [0, {MAX_PATHS}], got {drafts}")
+    if not isinstance(draft_len, int) or not 1 <= draft_len <= MAX_DRAFT_LEN:
+        raise SpecforkError(f"draft_len must be in [1, {MAX_DRAFT_LEN}], got {draft_len}")
+    if min_conf is not None:
+        check_min_conf(min_conf)
+    if draft_vocab is not None:
+        check_draft_vocab(draft_vocab)
+    if drafts:
+        parse_spec(spec, target)
+
+
 def make_drafters(spec: str | None, target: str, model, drafts: int,
                   min_conf: float | None = None, draft_vocab: int | None = None,
                   draft_len: int = 4) -> list:
     """`min_conf` (None: the model drafter's default) sets when model-draft paths stop;
     `draft_vocab` how many output rows the trained draft keeps (None: its default, 0: all).
     Model drafters get KV room for `drafts` paths of `draft_len` tokens."""
-    from specfork.drafters.model_drafter import MIN_CONF, check_min_conf
-    min_conf = MIN_CONF if min_conf is None else min_conf
-    check_min_conf(min_conf)
-    spec = spec or DEFAULTS.get(target.lower(), "ngram")
+    check_drafting(drafts, draft_len, spec, target, min_conf, draft_vocab)
     out = []
-    for item in [s.strip() for s in spec.split(",") if s.strip()]:
-        kind, _, arg = item.partition(":")
+    for kind, arg in parse_spec(spec, target):
         if kind == "ngram":
             from specfork.drafters.ngram import NgramDrafter
             out.append(NgramDrafter())
         elif kind == "model":
-            if not arg:
-                raise SpecforkError("drafter 'model' needs a model: model:ID_OR_PATH")
-            from specfork.drafters.model_drafter import ModelDrafter
-            out.append(ModelDrafter.load(arg, target_model=model, min_conf=min_conf,
+            from specfork.drafters.model_drafter import MIN_CONF, ModelDrafter
+            out.append(ModelDrafter.load(arg, target_model=model,
+                                         min_conf=MIN_CONF if min_conf is None else min_conf,
                                          max_paths=drafts, max_len=draft_len))
-        elif kind == "trained":
-            out.append(trained_drafter(model, min_conf, draft_vocab, drafts, draft_len))
         else:
-            raise SpecforkError(f"unknown drafter '{kind}' (use ngram, trained or "
-                                "model:ID_OR_PATH)")
-    if not out:
-        raise SpecforkError(f"empty drafter spec '{spec}'")
+            out.append(trained_drafter(model, min_conf, draft_vocab, drafts, draft_len))
     return out
 
 
@@ -51,8 +77,6 @@ def trained_drafter(model, min_conf: float | None = None, draft_vocab: int | Non
     from specfork.drafters.model_drafter import MIN_CONF, ModelDrafter
     from specfork.drafters.trained_draft import DRAFT_VOCAB, load_trained_draft, load_vocab
     from specfork.model import Model
-    if draft_vocab is not None and draft_vocab < 0:
-        raise SpecforkError(f"draft vocabulary size must be >= 0, got {draft_vocab}")
     k = DRAFT_VOCAB if draft_vocab is None else draft_vocab
     dt = torch.float16 if model.device.type == "cpu" else model.dtype
     return ModelDrafter(Model(load_trained_draft(model.hf, dtype=dt)), name="trained",

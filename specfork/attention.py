@@ -1,0 +1,157 @@
+"""One attention-metadata object per forward, in the spirit of nano-vllm's `Context`: which
+KV-tree slots the new tokens read and write, what each of them may see, and which attention
+path runs. A named constructor builds it once per step (`prefill`, `tree`, `branches`) and moves
+every index and mask to the device there, in one copy, so the layer loop only indexes tensors
+already in place and `Model.forward` stays the model.
+
+Paths (`pick_path` chooses):
+  decode   one token after a linear cache: one gather of prefix + its own slot, two bmm's
+  causal   prefill over an empty prefix on GPU: fused `is_causal` SDPA, no T x T scores
+  paged    GPU trees (and prefill over a prefix): the Triton cascade reads the pool in place
+  masked   tokens that each see their own prefix subset, or a short prefix on CPU: two bmm's
+           under one additive mask
+  cascade  CPU otherwise: the prefix dense, the tree under its mask, merged by log-sum-exp
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specfork.kernels.dense_attention import causal_attention, decode_attention, masked_attention
+from specfork.kernels.tree_attention import tree_attention, tree_attention_torch, tree_bias_of
+
+DECODE, CAUSAL, PAGED, MASKED, CASCADE = "decode", "causal", "paged", "masked", "cascade"
+
+# A tree this small over a prefix this short (and not passing its own prefix_mask) attends with
+# two plain bmm's under one additive mask built per forward instead of the cascade's two flash
+# calls, whose fixed cost dominates there. results/tree_attention_cpu.json (one SmolLM2 layer, one
+# thread; `python eval/bench_tree_attention.py --threads 1 --json results/tree_attention_cpu.json`):
+# for trees of 2-32 tokens the bmm's are 1.05-1.6x faster up to 384 prefix tokens and the cascade
+# wins from 512-1024 on; a 64-token tree takes the cascade at 0.5-0.6x their time from 256 on.
+SHORT_PREFIX, SHORT_TREE = 384, 32
+
+
+def pick_path(T: int, L: int, *, gpu: bool, causal: bool, per_query: bool,
+              plain_write: bool) -> str:
+    """The attention path for T new tokens over L prefix slots. `per_query`: each token reads
+    its own subset of the prefix (only the masked bmm's take that); `causal`: the new tokens
+    are a causal chain (prefill); `plain_write`: new row i goes to write slot i, so one token
+    can read prefix + its own slot in one gather."""
+    if per_query:
+        return MASKED
+    if gpu and causal and L == 0:
+        return CAUSAL
+    if T == 1 and plain_write:
+        return DECODE
+    if gpu:
+        return PAGED
+    if 0 < L <= SHORT_PREFIX and 1 < T <= SHORT_TREE:
+        return MASKED
+    return CASCADE
+
+
+@dataclass
+class AttnMeta:
+    """Everything a forward's attention needs, on the model's device. `read` are the prefix
+    slots `[L]` (decode: `[L+1]`, the new token's own slot last); the new K/V row
+    `write_src[j]` (None: row j) goes to slot `write[j]`, so a tree node that lies on several
+    draft forks is written once per fork; `table` is `read` as int32, the block table of the
+    pool viewed as one-token pages (the Triton kernel's, whatever the pool's block size)."""
+    path: str
+    prefix_len: int
+    read: torch.Tensor
+    write: torch.Tensor | None = None
+    write_src: torch.Tensor | None = None
+    tree_mask: torch.Tensor | None = None     # [T, T] bool (not on decode, causal)
+    bias: torch.Tensor | None = None          # additive 0/-inf: cascade [T, T], masked [T*G, L+T]
+    table: torch.Tensor | None = None         # [L] int32 (paged)
+
+    @classmethod
+    def prefill(cls, model, prefix: torch.Tensor, write: torch.Tensor) -> "AttnMeta":
+        """`write.numel()` new tokens, a causal chain after the prefix slots `prefix [L]`
+        (one token: a decode step)."""
+        return cls._build(model, write.numel(), prefix, write, causal=True)
+
+    @classmethod
+    def tree(cls, model, prefix: torch.Tensor, tree_mask: torch.Tensor,
+             write: torch.Tensor | None = None,
+             write_src: torch.Tensor | None = None) -> "AttnMeta":
+        """A draft tree over `prefix [L]`: token i sees the prefix and token j where
+        `tree_mask [T, T]` is True (its ancestors and itself). `write` None: score the tree
+        without storing its K/V."""
+        return cls._build(model, tree_mask.shape[0], prefix, write, write_src,
+                          tree_mask=tree_mask)
+
+    @classmethod
+    def branches(cls, model, prefix: torch.Tensor, write: torch.Tensor,
+                 prefix_mask: torch.Tensor, tree_mask: torch.Tensor | None = None) -> "AttnMeta":
+        """New tokens of several branches over the union of their prefixes `prefix [L]`:
+        token i sees prefix slot l where `prefix_mask [T, L]` is True, and new token j where
+        `tree_mask [T, T]` is (None: only itself)."""
+        T = prefix_mask.shape[0]
+        if tree_mask is None:
+            tree_mask = torch.eye(T, dtype=torch.bool, device=prefix_mask.device)
+        return cls._build(model, T, prefix, write, tree_mask=tree_mask, prefix_mask=prefix_mask)
+
+    @classmethod
+    def _build(cls, model, T: int, prefix: torch.Tensor, write: torch.Tensor | None,
+               write_src: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
+               prefix_mask: torch.Tensor | None = None, causal: bool = False) -> "AttnMeta":
+        dev, L = model.device, prefix.numel()
+        path = pick_path(T, L, gpu=dev.type == "cuda", causal=causal,
+                         per_query=prefix_mask is not None,
+                         plain_write=write is not None and write_src is None)
+        read = torch.cat((prefix, write)) if path == DECODE else prefix
+        read, write, write_src = _to_device(dev, read, write, write_src)
+        meta = cls(path, L, read, write, write_src)
+        if path in (DECODE, CAUSAL):
+            return meta
+        if tree_mask is None:              # prefill; a tree's mask is never None
+            tree_mask = causal_mask(T, dev)
+        tree_mask = meta.tree_mask = tree_mask.to(dev)
+        if path == PAGED:
+            meta.table = read.to(torch.int32)
+        elif path == CASCADE:
+            meta.bias = tree_bias_of(tree_mask, model.dtype)
+        else:                              # MASKED; without a prefix mask: all of a short prefix
+            if prefix_mask is None:
+                prefix_mask = torch.ones(T, L, dtype=torch.bool, device=dev)
+            see = torch.cat([prefix_mask.to(dev), tree_mask], dim=1)     # [T, L+T]
+            bias = torch.full(see.shape, float("-inf"), dtype=model.dtype, device=dev)
+            meta.bias = bias.masked_fill_(see, 0.0).repeat_interleave(
+                model.num_heads // model.kv_heads, dim=0)               # row t*G+g: token t
+        return meta
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_slots: torch.Tensor,
+               v_slots: torch.Tensor, scale: float) -> torch.Tensor:
+        """One layer: q `[T, H, D]`, the new k/v `[T, KVH, D]` (already written), the layer's
+        pool as slot arrays `[slots, KVH, D]` -> `[T, H, D]`."""
+        if self.path == DECODE:
+            return decode_attention(q, k_slots.index_select(0, self.read),
+                                    v_slots.index_select(0, self.read), scale)
+        if self.path == CAUSAL:
+            return causal_attention(q, k, v, scale)
+        if self.path == PAGED:
+            pages = (-1, 1) + tuple(k_slots.shape[1:])                # one-token pages
+            return tree_attention(q, k_slots.view(pages), v_slots.view(pages), self.table,
+                                  self.prefix_len, k, v, self.tree_mask, scale)
+        kp, vp = k_slots.index_select(0, self.read), v_slots.index_select(0, self.read)
+        if self.path == MASKED:
+            return masked_attention(q, kp, vp, k, v, self.bias, scale)
+        return tree_attention_torch(q, kp, vp, k, v, self.tree_mask, scale, tree_bias=self.bias)
+
+
+def _to_device(dev: torch.device, *ts: torch.Tensor | None) -> tuple:
+    """Int index tensors to `dev` in one host-to-device copy (None stays None)."""
+    if dev.type == "cpu" or any(t is not None and t.device.type != "cpu" for t in ts):
+        return tuple(None if t is None else t.to(dev) for t in ts)
+    live = [t for t in ts if t is not None]
+    flat = torch.cat([t.long() for t in live]).to(dev).split([t.numel() for t in live])
+    it = iter(flat)
+    return tuple(None if t is None else next(it) for t in ts)
+
+
+def causal_mask(T: int, device=None) -> torch.Tensor:
+    """`[T, T]` bool, row i sees tokens 0..i."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
