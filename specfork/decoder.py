@@ -8,11 +8,11 @@ from typing import Callable
 
 import torch
 
+from specfork.attention import AttnMeta
 from specfork.drafters.base import Drafter
 from specfork.drafters.registry import DRAFT_LEN, check_drafting
 from specfork.engine import Engine
 from specfork.kv_tree import KVTree
-from specfork.attention import AttnMeta
 from specfork.model import Model
 from specfork.sampling import check_sampling, pick, sampling_params
 from specfork.token_tree import TokenTree
