@@ -39,7 +39,7 @@ MiB = 2 ** 20
 SETS = {"mtbench": "MT-bench", "humaneval": "HumanEval"}
 ROW_KEYS = ["seq", "hf_greedy", "beam_naive", "beam_fork", "hf_beam", "spec1", "hf_assisted",
             "hf_assisted_k",
-            "hf_lookup", "multi"]
+            "hf_lookup", "multi", "eagle", "eagle_ngram"]
 README_BEGIN, README_END = "<!-- run_table:begin -->", "<!-- run_table:end -->"
 
 
@@ -63,6 +63,9 @@ def _args(argv):
                         "from the start (default 60; --quick 10; 0: no limit)")
     p.add_argument("--beams", type=int, default=4, help="beam width of rows 3-5")
     p.add_argument("--paths", type=int, default=3, help="draft paths of the multi-draft row")
+    p.add_argument("--eagle", default="auto",
+                   help="EAGLE rows' head: auto (the shipped head of the embedded target), "
+                        "eagle3:PATH or eagle:PATH (published EAGLE-3 / EAGLE-1 checkpoints)")
     p.add_argument("--draft-len", type=int, default=4, help="tokens per draft path (ours)")
     p.add_argument("--lookup-tokens", type=int, default=10,
                    help="HF prompt_lookup_num_tokens (HF's documented example value)")
@@ -393,11 +396,41 @@ def build_rows(a, model, tok, draft_hf, draft_tag: str, longest: int) -> list[Ro
         Row("multi", f"multi-draft speculative decoding, {a.paths} draft paths (ours)" + tag,
             a.paths, False, om, ours(multi), "greedy", reserved=reserved_bytes(multi)),
     ]
+    rows += eagle_rows(a, model, tok, room, ot)
     assert [r.key for r in rows] == ROW_KEYS
     return [r for r in rows if r.key in a.rows]
 
 
 # -- the run ----------------------------------------------------------------------------------
+
+def eagle_rows(a, model, tok, room: int, target_bytes: int) -> list[Row]:
+    """EAGLE speculation (the dynamic tree at the engine's defaults) alone and with n-gram
+    paths, as `specfork generate --drafts N --drafter eagle[,ngram]` runs it."""
+    from specfork.decoder import SpecDecoder
+    from specfork.drafters.eagle import DRAFT_TOKENS, TREE_DEPTH, TREE_TOPK
+    from specfork.drafters.registry import make_drafters
+    spec = "eagle" if a.eagle == "auto" else a.eagle
+    shape = f"tree top-{TREE_TOPK}, depth {TREE_DEPTH}, {DRAFT_TOKENS} nodes"
+    names = {"eagle": f"EAGLE speculative decoding ({shape}) (ours)",
+             "eagle_ngram": f"EAGLE + n-gram, {a.paths} paths ({shape}) (ours)"}
+    try:
+        heads = {k: make_drafters(("ngram," if k == "eagle_ngram" else "") + spec,
+                                  a.target, model, a.paths, max_kv_tokens=room)
+                 for k in names}
+    except Exception as e:               # no shipped head, or a checkpoint that does not fit
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return [Row(k, n, 1, False, target_bytes, None, "greedy", error=why)
+                for k, n in names.items()]
+    rows = []
+    for k, ds in heads.items():
+        dec = SpecDecoder(model, tok, ds, num_paths=a.paths, draft_len=a.draft_len,
+                          max_kv_tokens=room)
+        own = sum(d.head.own_bytes(model) for d in ds if hasattr(d, "head"))
+        rows.append(Row(k, names[k] + (f" [{spec}]" if spec != "eagle" else " [shipped head]"),
+                        a.paths, False, target_bytes + own, ours(dec), "greedy",
+                        reserved=reserved_bytes(dec)))
+    return rows
+
 
 def run_all(rows: list[Row], prompts: list[dict], n: int, deadline: float | None) -> list[dict]:
     """Warm every row up on the shortest prompt (a row that fails is reported and dropped), then

@@ -386,10 +386,39 @@ class TopKRecorder:
         return torch.full_like(scores, -math.inf).scatter_(1, pick, 0.0)
 
 
+class FeatureRecorder:
+    """With `layers`, keeps the residual stream entering those decoder layers at every position
+    `generate` processes (fp16, concatenated): the EAGLE head's training features, recorded in
+    the generation pass itself instead of a second prefill."""
+
+    def __init__(self, hf, layers):
+        self.layers, self.steps = layers, []
+        if layers:
+            for i in sorted(set(layers)):
+                hf.model.layers[i].register_forward_pre_hook(self._hook(i), with_kwargs=True)
+
+    def _hook(self, i):
+        def hook(mod, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            if i == min(self.layers):
+                self.steps.append({})
+            self.steps[-1][i] = x.detach().half()
+        return hook
+
+    def clear(self) -> None:
+        self.steps = []
+
+    def features(self):
+        if not self.layers:
+            return None
+        return torch.cat([torch.cat([st[i] for i in self.layers], -1) for st in self.steps], 1)
+
+
 def generate_data(args) -> None:
     from transformers import LogitsProcessorList
     from specfork.loader import load_hf
-    hf, tok = load_hf("smollm2-135m", dtype=torch.bfloat16, device="cpu")
+    hf, tok = load_hf("smollm2-135m", dtype=getattr(torch, getattr(args, "dtype", "bfloat16")),
+                      device="cpu")
     tok.padding_side = "left"
     rows = build_prompts(args.seed, args.prompts, args.code_share, args.text_share,
                          args.constraints)
@@ -405,6 +434,7 @@ def generate_data(args) -> None:
         order += sorted(rows[g:g + group], key=lambda r: len(r["ids"]))
     pick = random.Random(args.seed)
     eos = tok.eos_token_id
+    capture = FeatureRecorder(hf, getattr(args, "capture", None))
     data, done, t0 = [], 0.0, time.perf_counter()
     if args.resume and args.data.is_file():         # carry on where a time cut stopped
         blob = torch.load(args.data)
@@ -420,17 +450,21 @@ def generate_data(args) -> None:
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + b)   # resume-stable too
         rec = TopKRecorder(args.topk, args.temperature if sampled else 0.0, gen)
         enc = tok.pad({"input_ids": [r["ids"] for r in batch]}, return_tensors="pt")
+        capture.clear()
         with torch.inference_mode():
             seq = hf.generate(**enc, max_new_tokens=args.max_new, do_sample=False,
                               logits_processor=LogitsProcessorList([rec]), pad_token_id=eos)
         L = enc["input_ids"].shape[1]
         vals, idx = torch.stack(rec.vals, 1), torch.stack(rec.idx, 1)     # [B, steps, k]
+        feats = capture.features()                                         # [B, L+steps, F]
         for j, r in enumerate(batch):
             new = seq[j, L:].tolist()
             G = new.index(eos) + 1 if eos in new else len(new)
             data.append({"ids": torch.tensor(r["ids"] + new[:G], dtype=torch.int32),
                          "start": len(r["ids"]), "kind": r["kind"], "sampled": sampled,
                          "topv": vals[j, :G].clone(), "topi": idx[j, :G].clone()})
+            if feats is not None:          # every token's but the last (never needed)
+                data[-1]["feats"] = feats[j, L - len(r["ids"]):L + G - 1].clone()
         ntok = sum(len(d["topi"]) for d in data)
         print(f"gen: {len(data)} seqs, {ntok} target tokens, "
               f"{done + time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
@@ -688,6 +722,9 @@ def main(argv=None) -> None:
     g.add_argument("--sampled-frac", dest="sampled_frac", type=float, default=0.25,
                    help="share of batches sampled instead of greedy")
     g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="the target's dtype while generating (bf16 pays only on CPUs with "
+                        "bf16 GEMMs)")
     t = p.add_argument_group("train")
     t.add_argument("--init-layers", dest="init_layers", default="0,1,2")
     t.add_argument("--epochs", type=float, default=5.0)

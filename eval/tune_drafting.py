@@ -6,11 +6,12 @@ are in neither MT-bench nor HumanEval, so the reported sets stay untouched by tu
         '{"mix":"ngram,trained","paths":3,"len":4,"conf":0}' \\
         '{"mix":"ngram,trained","paths":3,"len":4,"conf":0.3}'
 
-Each config is a JSON object: mix (drafters, in order), paths, len, conf (the trained draft's
-min_conf), optionally ngmin (n-gram drafter's shortest match) and vocab (the trained draft's
-output rows: the target's N most frequent tokens plus the request's; 0 or absent: all) and
-dtype (the trained draft's: float16, the default, or bfloat16). Greedy and every config run
-interleaved per prompt, twice, so machine noise hits all alike; prints tokens/s, the ratio to
+Each config is a JSON object: mix (drafters, in order: ngram, trained, eagle), paths, len, conf
+(the trained draft's min_conf), optionally ngmin (n-gram drafter's shortest match) and vocab (the
+trained draft's output rows: the target's N most frequent tokens plus the request's; 0 or
+absent: all), dtype (the trained draft's: float16, the default, or bfloat16) and topk, depth,
+tokens (the shipped EAGLE head's tree: --tree-topk, --tree-depth, --draft-tokens). Greedy and
+every config run interleaved per prompt, twice, so machine noise hits all alike; prints tokens/s, the ratio to
 our greedy decoding measured in the same loop, τ, and whether the tokens equal greedy's;
 `--out` writes the same as JSON, with the command and the machine.
 """
@@ -42,7 +43,7 @@ PROMPTS = [
 
 
 REQUIRED = {"mix", "paths", "len", "conf"}
-OPTIONAL = {"ngmin", "vocab", "dtype"}
+OPTIONAL = {"ngmin", "vocab", "dtype", "topk", "depth", "tokens"}
 
 
 def parse_config(text: str) -> dict:
@@ -54,11 +55,16 @@ def parse_config(text: str) -> dict:
     if not isinstance(c, dict) or not REQUIRED <= c.keys() or not c.keys() <= REQUIRED | OPTIONAL:
         raise SpecforkError(f"config {text!r}: need keys {sorted(REQUIRED)}, optional "
                             f"{sorted(OPTIONAL)}")
-    ok = isinstance(c["mix"], str) and all(k in ("ngram", "trained") for k in c["mix"].split(","))
+    ok = isinstance(c["mix"], str) and all(k in ("ngram", "trained", "eagle")
+                                           for k in c["mix"].split(","))
+    if ok and "eagle" in c["mix"].split(","):
+        from specfork.drafters.eagle import DRAFT_TOKENS, TREE_DEPTH, TREE_TOPK, check_tree
+        check_tree(c.get("topk", TREE_TOPK), c.get("depth", TREE_DEPTH),
+                   c.get("tokens", DRAFT_TOKENS))
     ok = ok and all(isinstance(c[k], (int, float)) for k in ("paths", "len", "conf"))
     if not ok or c["paths"] < 1 or c["len"] < 1 or not 0 <= c["conf"] < 1 \
             or c.get("dtype", "float16") not in ("float16", "bfloat16"):
-        raise SpecforkError(f"config {text!r}: mix of ngram/trained, paths >= 1, len >= 1, "
+        raise SpecforkError(f"config {text!r}: mix of ngram/trained/eagle, paths >= 1, len >= 1, "
                             "0 <= conf < 1, dtype float16 or bfloat16")
     return c
 
@@ -78,6 +84,8 @@ def main(argv=None):
     from specfork.decoder import SpecDecoder
     from specfork.drafters.model_drafter import ModelDrafter
     from specfork.drafters.ngram import NgramDrafter
+    from specfork.drafters.eagle import (DRAFT_TOKENS, TREE_DEPTH, TREE_TOPK, EagleDrafter,
+                                         load_shipped)
     from specfork.drafters.trained_draft import load_trained_draft, load_vocab
     from specfork.model import Model
     from specfork.loader import load_hf
@@ -85,13 +93,24 @@ def main(argv=None):
     hf, tok = load_hf("smollm2-135m", dtype=torch.float32, device="cpu")
     model = Model(hf)
     drafts = {dt: Model(load_trained_draft(hf, dtype=getattr(torch, dt)))
-              for dt in {c.get("dtype", "float16") for c in cfgs}}
+              for dt in {c.get("dtype", "float16") for c in cfgs
+                         if "trained" in c["mix"].split(",")}}
+
+    eagle_head = (load_shipped(model) if any("eagle" in c["mix"].split(",") for c in cfgs)
+                  else None)
+
+    def one(k, c):
+        if k == "ngram":
+            return NgramDrafter(min_ngram=c.get("ngmin", 1))
+        if k == "eagle":
+            return EagleDrafter(eagle_head, topk=c.get("topk", TREE_TOPK),
+                                depth=c.get("depth", TREE_DEPTH),
+                                tokens=c.get("tokens", DRAFT_TOKENS))
+        return ModelDrafter(drafts[c.get("dtype", "float16")], name="trained", min_conf=c["conf"],
+                            vocab=load_vocab(c["vocab"]) if c.get("vocab") else None)
 
     def make(c):
-        ds = [NgramDrafter(min_ngram=c.get("ngmin", 1)) if k == "ngram" else
-              ModelDrafter(drafts[c.get("dtype", "float16")], name="trained", min_conf=c["conf"],
-                           vocab=load_vocab(c["vocab"]) if c.get("vocab") else None)
-              for k in c["mix"].split(",")]
+        ds = [one(k, c) for k in c["mix"].split(",")]
         return SpecDecoder(model, tok, ds, num_paths=c["paths"], draft_len=c["len"])
 
     decs, greedy = [make(c) for c in cfgs], SpecDecoder(model, tok)

@@ -23,8 +23,9 @@ def _args(argv):
                         "embedded SmolLM2-135M-Instruct)")
     g.add_argument("--drafts", type=int, default=0, help="draft paths per step (0: no drafting)")
     g.add_argument("--drafter", default=None,
-                   help="drafter mix, comma separated: ngram, trained, model:ID_OR_PATH "
-                        "(default: the target's default draft)")
+                   help="drafter mix, comma separated: ngram, trained, eagle (the shipped "
+                        "EAGLE-3 head), model:ID_OR_PATH, eagle3:PATH, eagle:PATH (published "
+                        "EAGLE-3 / EAGLE-1 checkpoints) (default: the target's default mix)")
     g.add_argument("--draft-len", type=int, default=None,
                    help="most tokens per draft path (default 4)")
     g.add_argument("--min-conf", type=float, default=None,
@@ -33,6 +34,12 @@ def _args(argv):
     g.add_argument("--draft-vocab", type=int, default=None,
                    help="output rows the trained draft keeps: the target's N most frequent "
                         "tokens plus the prompt's (default 8192; 0: the whole vocabulary)")
+    g.add_argument("--tree-topk", type=int, default=None,
+                   help="EAGLE tree: children per expanded node and nodes expanded per depth "
+                        "(default 4)")
+    g.add_argument("--tree-depth", type=int, default=None, help="EAGLE tree depth (default 3)")
+    g.add_argument("--draft-tokens", type=int, default=None,
+                   help="EAGLE tree: nodes kept for verification (default 8)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file holding the prompt ('-' for stdin)")
@@ -68,7 +75,8 @@ def generate(a) -> int:
     from specfork.loader import check_device
     from specfork.sampling import check_sampling
     drafting = {"--drafter": a.drafter, "--draft-len": a.draft_len, "--min-conf": a.min_conf,
-                "--draft-vocab": a.draft_vocab}
+                "--draft-vocab": a.draft_vocab, "--tree-topk": a.tree_topk,
+                "--tree-depth": a.tree_depth, "--draft-tokens": a.draft_tokens}
     sampling = {"--temperature": a.temperature or None, "--top-p": a.top_p, "--top-k": a.top_k,
                 "--seed": a.seed}
     # Which flags go together is the CLI's own rule; every value is checked by the library,
@@ -85,7 +93,11 @@ def generate(a) -> int:
         raise SpecforkError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} "
                             "only with --drafts N (N >= 1)")
     draft_len = DRAFT_LEN if a.draft_len is None else a.draft_len
-    check_drafting(a.drafts, draft_len, a.drafter, a.target, a.min_conf, a.draft_vocab)
+    from specfork.drafters import eagle
+    tree = (eagle.TREE_TOPK if a.tree_topk is None else a.tree_topk,
+            eagle.TREE_DEPTH if a.tree_depth is None else a.tree_depth,
+            eagle.DRAFT_TOKENS if a.draft_tokens is None else a.draft_tokens)
+    check_drafting(a.drafts, draft_len, a.drafter, a.target, a.min_conf, a.draft_vocab, tree)
     check_device(a.device)
     check_sampling(a.max_new_tokens, a.temperature, a.top_p, a.top_k, a.seed)
     prompt = _prompt(a)
@@ -93,7 +105,9 @@ def generate(a) -> int:
     dtype = getattr(torch, a.dtype) if a.dtype else None
     dec = SpecDecoder.from_pretrained(target=a.target, drafts=a.drafts, drafter=a.drafter,
                                       draft_len=draft_len, dtype=dtype, device=a.device,
-                                      min_conf=a.min_conf, draft_vocab=a.draft_vocab)
+                                      min_conf=a.min_conf, draft_vocab=a.draft_vocab,
+                                      tree_topk=tree[0], tree_depth=tree[1],
+                                      draft_tokens=tree[2])
     tok = dec.tokenizer
     if a.beams:
         from specfork.search import beam_search

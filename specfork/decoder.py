@@ -33,10 +33,18 @@ class SpecDecoder:
         self.drafters = list(drafters or [])
         self.num_paths = num_paths if self.drafters else 0
         self.draft_len = draft_len
-        self.tree_budget = tree_budget or max(1, self.num_paths) * draft_len
-        # room for every verify fork: one per draft path (+1), each up to draft_len + 1 tokens
+        # tree drafters (EAGLE) bring their own node budget; path drafters share num_paths
+        trees = [d for d in self.drafters if getattr(d, "tree_tokens", 0)] if self.num_paths else []
+        tree_nodes = sum(d.tree_tokens for d in trees)
+        deepest = max([draft_len] + [d.depth for d in trees])
+        self.tree_budget = tree_budget or max(1, self.num_paths) * draft_len + tree_nodes
+        # target features the drafters read (layer indices; L = the final norm's output)
+        self.capture = tuple(sorted({i for d in self.drafters
+                                     for i in (getattr(d, "features", None) or ())})) or None
+        # room for every verify fork: one per draft path or tree leaf (+1), each up to the
+        # deepest draft + 1 tokens
         self.engine = Engine(model, tokenizer, max_kv_tokens, block_size, eos_token_ids,
-                             forks=self.num_paths + 1, fork_tokens=draft_len + 1)
+                             forks=self.num_paths + tree_nodes + 1, fork_tokens=deepest + 1)
         self.model, self.tokenizer, self.kv = model, tokenizer, self.engine.kv
         self.pool, self.eos = self.kv.pool, self.engine.eos
 
@@ -45,15 +53,24 @@ class SpecDecoder:
                         drafter: str | None = None, draft_len: int = DRAFT_LEN,
                         dtype: torch.dtype | None = None, device: str | None = None,
                         min_conf: float | None = None, draft_vocab: int | None = None,
-                        **kw) -> "SpecDecoder":
+                        tree_topk: int | None = None, tree_depth: int | None = None,
+                        draft_tokens: int | None = None, **kw) -> "SpecDecoder":
+        """`tree_topk`, `tree_depth`, `draft_tokens`: the EAGLE draft tree's shape (None: the
+        tuned defaults)."""
+        from specfork.drafters import eagle
         from specfork.drafters.registry import make_drafters
         from specfork.loader import check_device, load_hf
-        check_drafting(drafts, draft_len, drafter, target, min_conf, draft_vocab)
+        tree = (eagle.TREE_TOPK if tree_topk is None else tree_topk,
+                eagle.TREE_DEPTH if tree_depth is None else tree_depth,
+                eagle.DRAFT_TOKENS if draft_tokens is None else draft_tokens)
+        check_drafting(drafts, draft_len, drafter, target, min_conf, draft_vocab, tree)
         check_device(device)                               # both before any weights load
         hf, tok = load_hf(target, dtype=dtype, device=device)
         model = Model(hf)
         drafters = (make_drafters(drafter, target, model, drafts, min_conf, draft_vocab,
-                                  draft_len=draft_len) if drafts > 0 else [])
+                                  draft_len=draft_len, tree=tree,
+                                  max_kv_tokens=kw.get("max_kv_tokens") or 8192)
+                    if drafts > 0 else [])
         return cls(model, tok, drafters, num_paths=drafts, draft_len=draft_len, **kw)
 
     def encode(self, prompt: str | list[int], raw: bool = False) -> list[int]:
@@ -91,10 +108,15 @@ class SpecDecoder:
         ids = torch.tensor(prompt_ids, device=dev)
         slots = kv.append(B, P)
         logits = m.forward(ids, torch.arange(P, device=dev), self.pool,
-                           AttnMeta.prefill(m, slots[:0], slots), logits_idx=slice(P - 1, P))
+                           AttnMeta.prefill(m, slots[:0], slots), logits_idx=slice(P - 1, P),
+                           capture=self.capture if self.num_paths else None)
         st.forwards += 1
+        if self.capture and self.num_paths:
+            logits, feats = logits
         tok = pick(logits[0], sp)
         out = [tok]
+        if self.capture and self.num_paths:
+            self._hand_features(prompt_ids + out, feats)
         if on_tokens:
             on_tokens([tok])
         while len(out) < max_new and tok not in self.eos:
@@ -123,12 +145,30 @@ class SpecDecoder:
                            self.pool, meta)
         return [pick(logits[0], sp)]
 
+    def _hand_features(self, context: list[int], feats: torch.Tensor) -> None:
+        """Give each drafter that reads target features the columns of its layers for the
+        positions just verified (`feats [k, F]` at positions len(context)-1-k .. -2)."""
+        H = feats.shape[1] // len(self.capture)
+        for d in self.drafters:
+            want = getattr(d, "features", None)
+            if want:
+                cols = [c for i in want for c in range(self.capture.index(i) * H,
+                                                       (self.capture.index(i) + 1) * H)]
+                same = cols == list(range(feats.shape[1]))
+                d.observe(context, feats if same else feats[:, cols])
+
     def _propose(self, context: list[int], sp: SamplingParams) -> list[DraftPath]:
-        """Split the path budget evenly over the drafters; a drafter's unused share moves on."""
+        """Split the path budget evenly over the path drafters; a drafter's unused share moves
+        on. A tree drafter proposes its own tree (its node budget is its own)."""
         paths: list[DraftPath] = []
-        left, k = self.num_paths, len(self.drafters)
-        for i, d in enumerate(self.drafters):
-            share = -(-left // (k - i))
+        path_drafters = [d for d in self.drafters if not getattr(d, "tree_tokens", 0)]
+        left, k = self.num_paths, len(path_drafters)
+        for d in self.drafters:
+            if getattr(d, "tree_tokens", 0):
+                paths += d.propose(context, 0, 0, sp)
+                continue
+            share = -(-left // k)
+            k -= 1
             got = d.propose(context, share, self.draft_len, sp) if share else []
             paths += got[:share]
             left -= len(got[:share])
@@ -149,7 +189,10 @@ class SpecDecoder:
                 writes.append(kv.append(forks[-1], len(p)))
             meta = AttnMeta.tree(m, kv.slots(B), tree.ancestor_mask(), torch.cat(writes),
                                  torch.tensor([i for p in leaves for i in p]))
-            logits = m.forward(tree.tokens.to(dev), tree.positions(n).to(dev), self.pool, meta)
+            logits = m.forward(tree.tokens.to(dev), tree.positions(n).to(dev), self.pool, meta,
+                               capture=self.capture)
+            if self.capture:
+                logits, feats = logits
             if sp.greedy:
                 path, nxt = verify_greedy(tree, logits)
             else:
@@ -167,7 +210,10 @@ class SpecDecoder:
         st.record(tree, path)
         emitted = [int(tree.tokens[i]) for i in path[1:]] + [nxt]
         for d in self.drafters:
-            d.observe(context + emitted)
+            if not getattr(d, "features", None):
+                d.observe(context + emitted)
+        if self.capture:
+            self._hand_features(context + emitted, feats[torch.tensor(path, device=feats.device)])
         return emitted
 
 

@@ -102,6 +102,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return torch.addcmul(x * cos, rot, sin_signed)
 
 
+def rope_tables(rotary, ref: torch.Tensor, positions: torch.Tensor):
+    """cos, sin_signed `[T, 1, D]` from an HF rotary module itself (covers Llama 3.1 scaling
+    etc.; `ref` gives dtype and device); sin_signed = cat(-sin[:D/2], sin[D/2:]) for
+    `apply_rope`."""
+    cos, sin = rotary(ref[:1], positions[None])
+    half = cos.shape[-1] // 2
+    sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1)
+    return cos[0, :, None], sin[:, None]
+
+
 class Model:
     """Plain-tensor forward of a causal LM whose K/V live in a `BlockPool`."""
 
@@ -168,27 +178,30 @@ class Model:
                          device=self.device)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin_signed `[T, 1, D]` from the HF rotary module itself (covers Llama 3.1
-        scaling etc.); sin_signed = cat(-sin[:D/2], sin[D/2:]) for `apply_rope`."""
-        cos, sin = self.rotary(self.embed[:1], positions[None])
-        half = self.head_dim // 2
-        sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1)
-        return cos[0, :, None], sin[:, None]
+        return rope_tables(self.rotary, self.embed, positions)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, pool: BlockPool,
                 meta: AttnMeta, logits_idx: torch.Tensor | slice | None = None,
-                head: Linear | None = None) -> torch.Tensor:
+                head: Linear | None = None, capture: tuple[int, ...] | None = None):
         """Logits `[T', V]` for `tokens [T]` at `positions [T]` (`[T', K]` over the K rows of
         `head`, a vocabulary subset of lm_head, where one is given). What the new tokens read,
-        write and see is `meta`, built once per step (`specfork/attention.py`)."""
+        write and see is `meta`, built once per step (`specfork/attention.py`).
+
+        With `capture` it returns (logits, features `[T, len(capture) * hidden]`): the residual
+        stream entering each listed layer (EAGLE-3 reads layers 2, L/2, L-3), or, for index L,
+        the final norm's output (EAGLE-1), for every new token. Keeping them costs nothing: each
+        layer makes a fresh residual tensor anyway."""
         T = tokens.shape[0]
         H, KVH, D = self.num_heads, self.kv_heads, self.head_dim
         nq, nqk = H * D, (H + KVH) * D
         x = self.embed[tokens]                                           # [T, hidden]
         cos, sin = self.rope(positions)
         write, src = meta.write, meta.write_src
+        kept = {}
         for i, ly in enumerate(self.layers):
+            if capture is not None and i in capture:
+                kept[i] = x
             h = rms_norm(x, ly.ln1, self.eps)
             qkv = ly.qkv(h)                          # [T, (H+2KVH)*D]
             qk = apply_rope(qkv[:, :nqk].view(T, H + KVH, D), cos, sin)
@@ -202,6 +215,13 @@ class Model:
             x = ly.o.add_to(x, a.reshape(T, nq))
             g, u = ly.gate_up(rms_norm(x, ly.ln2, self.eps)).chunk(2, dim=-1)
             x = ly.down.add_to(x, F.silu(g) * u)
+        if capture is None:
+            if logits_idx is not None:
+                x = x[logits_idx]
+            return (self.lm_head if head is None else head)(rms_norm(x, self.norm, self.eps))
+        normed = rms_norm(x, self.norm, self.eps)
+        kept[self.num_layers] = normed
+        feats = torch.cat([kept[i] for i in capture], dim=-1)
         if logits_idx is not None:
-            x = x[logits_idx]
-        return (self.lm_head if head is None else head)(rms_norm(x, self.norm, self.eps))
+            normed = normed[logits_idx]
+        return (self.lm_head if head is None else head)(normed), feats

@@ -34,7 +34,10 @@ def test_run_table_tiny(tmp_path):
     readme.write_text("# x\n\n<!-- run_table:begin -->\nSTALE TABLE\n<!-- run_table:end -->\n"
                       "\nafter\n")
 
+    from test_eagle import write_checkpoint          # a published EAGLE-3 layout, tiny
+    head = write_checkpoint(tmp_path / "eagle", "eagle3", vocab=49152, aux=[0, 1, 1])
     rc = _load_script().main(["--target", str(target), "--draft", str(target), "--device", "cpu",
+                              "--eagle", f"eagle3:{head}",
                               "--prompts", "mtbench", "--prompts-per-set", "1",
                               "--max-new-tokens", "8", "--out", str(out),
                               "--readme", str(readme)])
@@ -47,7 +50,7 @@ def test_run_table_tiny(tmp_path):
     rows = res["rows"]
     assert [r["key"] for r in rows] == ["seq", "hf_greedy", "beam_naive", "beam_fork", "hf_beam",
                                         "spec1", "hf_assisted", "hf_assisted_k", "hf_lookup",
-                                        "multi"]
+                                        "multi", "eagle", "eagle_ngram"]
     for r in rows:
         assert r["error"] is None, r
         assert isinstance(r["strategy"], str) and r["strategy"]
@@ -60,7 +63,8 @@ def test_run_table_tiny(tmp_path):
     assert by["hf_greedy"]["speedup_vs_hf_greedy"] == 1.0
     assert [by[k]["branches"] for k in ("seq", "beam_fork", "hf_beam", "multi")] == [1, 4, 4, 3]
     # the exactness checks ran: greedy rows against HF greedy, beam rows against HF beam
-    for k in ("seq", "spec1", "hf_assisted", "hf_assisted_k", "hf_lookup", "multi"):
+    for k in ("seq", "spec1", "hf_assisted", "hf_assisted_k", "hf_lookup", "multi", "eagle",
+              "eagle_ngram"):
         assert by[k]["matches_hf_greedy"] is True, by[k]
     for k in ("beam_naive", "beam_fork"):
         assert by[k]["matches_hf_beam"] is True and by[k]["matches_hf_greedy"] is None, by[k]

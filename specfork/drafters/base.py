@@ -1,7 +1,9 @@
 """The drafter protocol: propose candidate paths after the context; observe what was accepted.
 
 A drafter never touches the target's cache. Deterministic drafters (n-gram lookup, greedy or
-top-k model drafts) give `q=None`, read by the verifiers as one-hot at the proposed token.
+top-k model drafts, EAGLE trees) give `q=None`, read by the verifiers as one-hot at the
+proposed token. A tree drafter (EAGLE) has `tree_tokens`, its own node budget: it proposes its
+tree as root-to-leaf paths and does not share the path budget of the others.
 """
 from __future__ import annotations
 
@@ -22,7 +24,13 @@ class Drafter(Protocol):
         (prompt + everything emitted so far, last token included)."""
 
     def observe(self, context: list[int]) -> None:
-        """The context after this step's accepted tokens (lets a drafter roll its own cache)."""
+        """The context after this step's accepted tokens (lets a drafter roll its own cache).
+
+        A drafter that reads the target's hidden states names the layers in `features` (a
+        tuple of layer indices; L = the final norm's output) and is called as
+        `observe(context, features)` instead, with `features [k, F]` the target's at positions
+        len(context)-1-k .. len(context)-2: after the prompt's prefill, and after each verify
+        step for the accepted path's nodes (the root included)."""
 
     def end(self) -> None:
         """The request is over: free every per-request resource."""

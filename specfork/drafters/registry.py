@@ -18,21 +18,27 @@ def parse_spec(spec: str | None, target: str) -> list[tuple[str, str]]:
     spec = spec or DEFAULTS.get(target.lower(), "ngram")
     items = [s.strip().partition(":")[::2] for s in spec.split(",") if s.strip()]
     for kind, arg in items:
-        if kind not in ("ngram", "model", "trained"):
-            raise SpecforkError(f"unknown drafter '{kind}' (use ngram, trained or "
-                                "model:ID_OR_PATH)")
-        if kind == "model" and not arg:
-            raise SpecforkError("drafter 'model' needs a model: model:ID_OR_PATH")
+        if kind not in ("ngram", "model", "trained", "eagle", "eagle3"):
+            raise SpecforkError(f"unknown drafter '{kind}' (use ngram, trained, eagle, "
+                                "model:ID_OR_PATH, eagle:PATH or eagle3:PATH)")
+        if kind in ("model", "eagle3") and not arg:
+            what = "model:ID_OR_PATH" if kind == "model" else "eagle3:PATH"
+            raise SpecforkError(f"drafter '{kind}' needs a checkpoint: {what}")
     if not items:
         raise SpecforkError(f"empty drafter spec '{spec}'")
     return items
 
 
 def check_drafting(drafts: int, draft_len: int, spec: str | None = None, target: str = "",
-                   min_conf: float | None = None, draft_vocab: int | None = None) -> None:
-    """Every drafting option, checked before any weights load (the CLI relies on it)."""
+                   min_conf: float | None = None, draft_vocab: int | None = None,
+                   tree: tuple[int, int, int] | None = None) -> None:
+    """Every drafting option, checked before any weights load (the CLI relies on it).
+    `tree`: (tree_topk, tree_depth, draft_tokens) of EAGLE drafters."""
+    from specfork.drafters.eagle import check_tree
     from specfork.drafters.model_drafter import check_min_conf
     from specfork.drafters.trained_draft import check_draft_vocab
+    if tree is not None:
+        check_tree(*tree)
     if not isinstance(drafts, int) or not 0 <= drafts <= MAX_PATHS:
         raise SpecforkError(f"drafts must be in [0, {MAX_PATHS}], got {drafts}")
     if not isinstance(draft_len, int) or not 1 <= draft_len <= MAX_DRAFT_LEN:
@@ -47,14 +53,23 @@ def check_drafting(drafts: int, draft_len: int, spec: str | None = None, target:
 
 def make_drafters(spec: str | None, target: str, model, drafts: int,
                   min_conf: float | None = None, draft_vocab: int | None = None,
-                  draft_len: int = 4) -> list:
+                  draft_len: int = 4, tree: tuple[int, int, int] | None = None,
+                  max_kv_tokens: int = 8192) -> list:
     """`min_conf` (None: the model drafter's default) sets when model-draft paths stop;
-    `draft_vocab` how many output rows the trained draft keeps (None: its default, 0: all).
+    `draft_vocab` how many output rows the trained draft keeps (None: its default, 0: all);
+    `tree` the EAGLE tree's (top-k, depth, nodes), None: the defaults.
     Model drafters get KV room for `drafts` paths of `draft_len` tokens."""
-    check_drafting(drafts, draft_len, spec, target, min_conf, draft_vocab)
+    from specfork.drafters import eagle
+    tree = tree or (eagle.TREE_TOPK, eagle.TREE_DEPTH, eagle.DRAFT_TOKENS)
+    check_drafting(drafts, draft_len, spec, target, min_conf, draft_vocab, tree)
     out = []
     for kind, arg in parse_spec(spec, target):
-        if kind == "ngram":
+        if kind in ("eagle", "eagle3"):
+            head = (eagle.load_shipped(model) if kind == "eagle" and not arg else
+                    eagle.load_eagle(arg, model, eagle.EAGLE3 if kind == "eagle3" else eagle.EAGLE1))
+            name = "eagle" if not arg else f"{kind}:{arg}"
+            out.append(eagle.EagleDrafter(head, name, *tree, max_kv_tokens=max_kv_tokens))
+        elif kind == "ngram":
             from specfork.drafters.ngram import NgramDrafter
             out.append(NgramDrafter())
         elif kind == "model":
