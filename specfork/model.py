@@ -7,6 +7,8 @@ the masks, the attention path).
 """
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,14 +31,19 @@ class Linear:
     verification (tree-size rows) then run near memory bandwidth, 1.6-2.8x faster than
     F.linear, whose sgemm re-packs the weights on every call (results/linear_cpu.json, from
     eval/bench_linear.py)."""
-    __slots__ = ("w", "b", "packed")
+    __slots__ = ("w", "b", "packed", "min_rows")
 
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None, pack: bool = False):
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None, pack: bool = False,
+                 min_rows: int = 1):
         self.w, self.b = w, b
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) if pack else None
+        self.min_rows = min_rows        # fewer rows go to F.linear (`packed_from_rows`)
+
+    def _packed_for(self, rows: int) -> bool:
+        return self.packed is not None and self.min_rows <= rows <= MAX_PACKED_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= MAX_PACKED_ROWS:
+        if self._packed_for(x.shape[0]):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
         return F.linear(x, self.w, self.b)
 
@@ -48,7 +55,7 @@ class Linear:
 
     def add_to(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """x + self(a): the residual add folded into the matmul."""
-        if self.packed is not None and a.shape[0] <= MAX_PACKED_ROWS:
+        if self._packed_for(a.shape[0]):
             return torch.ops.mkldnn._linear_pointwise.binary(a, x, self.packed, self.b, "add")
         if self.b is not None:
             return x + F.linear(a, self.w, self.b)
@@ -57,6 +64,40 @@ class Linear:
 
 PACK_ROWS = 8              # oneDNN's layout hint: the row count the packing is tuned for
 MAX_PACKED_ROWS = 32       # decode, beams, draft trees; longer prompt prefills keep HF's GEMM
+_PACKED_FROM: dict = {}    # (shapes, dtype, threads) -> packed_from_rows' answer, per process
+
+
+@torch.inference_mode()
+def packed_from_rows(lins: list[Linear], reps: int = 5) -> int:
+    """The fewest rows from which the packed matmul beats F.linear on this machine, timed on
+    `lins` (MAX_PACKED_ROWS + 1: never). Which wins depends on the CPU: on an AMD EPYC the packed
+    path is 1.6x faster even for one row, on a Sapphire Rapids Xeon F.linear's one-row GEMV is
+    faster and packing pays from 4 rows on (eval/bench_linear.py), so it is measured, not assumed
+    (a fraction of a second, once per shape set, dtype and thread count)."""
+    key = (tuple(tuple(x.w.shape) for x in lins), lins[0].w.dtype, torch.get_num_threads())
+    if key not in _PACKED_FROM:
+        wins = {}
+        for r in (1, 2, 4, 8):
+            xs = [torch.randn(r, x.w.shape[1], dtype=x.w.dtype) for x in lins]
+            t = {True: [], False: []}
+            for i in range(reps + 1):                # the first round warms both paths up
+                for packed in (True, False):
+                    start = time.perf_counter()
+                    for a, x in zip(xs, lins):
+                        if packed:
+                            torch.ops.mkldnn._linear_pointwise(a, x.packed, x.b, "none", [], "")
+                        else:
+                            F.linear(a, x.w, x.b)
+                    if i:
+                        t[packed].append(time.perf_counter() - start)
+            wins[r] = statistics.median(t[True]) < statistics.median(t[False])
+        m = MAX_PACKED_ROWS + 1
+        for r in (8, 4, 2, 1):
+            if not wins[r]:
+                break
+            m = r
+        _PACKED_FROM[key] = m
+    return _PACKED_FROM[key]
 
 
 @dataclass
@@ -163,12 +204,22 @@ class Model:
                 ln2=blk.post_attention_layernorm.weight,
                 gate_up=Linear(_fuse([m.gate_proj, m.up_proj], "weight"), pack=pack),
                 down=Linear(m.down_proj.weight, pack=pack)))
+        # below this many rows F.linear is faster here; 1 when not packed (it is then unused)
+        self.packed_min_rows = 1
+        if pack:
+            ly = self.layers[0]
+            self.packed_min_rows = packed_from_rows([ly.qkv, ly.o, ly.gate_up, ly.down,
+                                                     self.lm_head])
+            for x in self.linears():
+                x.min_rows = self.packed_min_rows
+
+    def linears(self) -> list[Linear]:
+        return [self.lm_head] + [getattr(ly, f) for ly in self.layers
+                                 for f in ("qkv", "o", "gate_up", "down")]
 
     def packed_bytes(self) -> int:
         """Bytes of the pre-packed weight copies this Model keeps beside the HF weights."""
-        lins = [self.lm_head] + [getattr(ly, f) for ly in self.layers
-                                 for f in ("qkv", "o", "gate_up", "down")]
-        return sum(x.packed_bytes for x in lins)
+        return sum(x.packed_bytes for x in self.linears())
 
     def make_pool(self, num_blocks: int | None = None, max_bytes: int | None = None,
                   block_size: int | None = None) -> BlockPool:

@@ -85,3 +85,28 @@ def test_embedded_greedy_128_tokens_matches_hf_generate(smol, mt_prompts):
         assert res.token_ids == ref, p["id"]
         assert res.stats["kv_blocks_leaked"] == 0
         assert res.stats["target_forwards"] == len(res.token_ids)
+
+
+def test_packed_path_is_chosen_by_rows_measured_on_this_machine(monkeypatch):
+    """Below `min_rows` a Linear runs F.linear itself, from it the oneDNN-packed matmul; the
+    threshold is measured once per shape set (results differ by CPU: AMD EPYC packs from 1 row,
+    a Sapphire Rapids Xeon from 4)."""
+    import torch.nn.functional as F
+    from specfork import model as mm
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 64), torch.randn(96)
+    lin = mm.Linear(w, b, pack=True, min_rows=4)
+    for rows in (1, 3, 4, 8):
+        x = torch.randn(rows, 64)
+        want = (F.linear(x, w, b) if rows < 4 else
+                torch.ops.mkldnn._linear_pointwise(x, lin.packed, b, "none", [], ""))
+        assert torch.equal(lin(x), want), rows                  # bitwise: that very path ran
+        assert torch.allclose(lin(x), F.linear(x, w, b), atol=1e-5)
+    monkeypatch.setattr(mm, "_PACKED_FROM", {})
+    m = Model(_hf(LlamaConfig(**TINY)), pack=True)
+    assert m.packed_min_rows in (1, 2, 4, 8, mm.MAX_PACKED_ROWS + 1)
+    assert {x.min_rows for x in m.linears()} == {m.packed_min_rows}
+    assert len(mm._PACKED_FROM) == 1
+    Model(_hf(LlamaConfig(**TINY)), pack=True)                  # same shapes: not timed again
+    assert len(mm._PACKED_FROM) == 1
+    assert Model(_hf(LlamaConfig(**TINY)), pack=False).packed_min_rows == 1

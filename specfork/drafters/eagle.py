@@ -226,6 +226,7 @@ def load_eagle(path: str | Path, target: Model, arch: str, name: str | None = No
         return t
 
     dev, dt, pack = target.device, target.dtype, target.pack
+    mr = target.packed_min_rows                 # F.linear below this many rows
 
     def w(t):
         return None if t is None else t.to(dev, dt)
@@ -263,7 +264,7 @@ def load_eagle(path: str | Path, target: Model, arch: str, name: str | None = No
         extra = dict(ln_in=w(take(p + "input_layernorm.weight", (H,))),
                      hidden_norm=w(take(p + "hidden_norm.weight", (H,))),
                      norm=w(take("norm.weight", (H,))))
-        lm = Linear(w(take("lm_head.weight", (Vd, H))), pack=pack)
+        lm = Linear(w(take("lm_head.weight", (Vd, H))), pack=pack, min_rows=mr)
         full = Vd == V                           # a full-vocabulary head may omit the maps
         d2t = take("d2t", (Vd,), optional=full)
         t2d = take("t2d", (V,), optional=full)
@@ -289,11 +290,12 @@ def load_eagle(path: str | Path, target: Model, arch: str, name: str | None = No
     return EagleHead(arch=arch, capture=capture, hidden=H, num_heads=heads, kv_heads=kvh,
                      head_dim=D, eps=float(cfg.get("rms_norm_eps", 1e-6)),
                      embed=target.embed if embed is None else w(embed),
-                     fc=Linear(w(fc_w), w(fc_b), pack=pack),
-                     qkv=Linear(w(torch.cat([qw, kw, vw])), pack=pack),
-                     o=Linear(w(ow), pack=pack), ln_post=w(ln_post),
-                     gate_up=Linear(w(torch.cat([gw, uw])), pack=pack),
-                     down=Linear(w(dw), pack=pack), lm_head=lm, rotary=rotary, **extra)
+                     fc=Linear(w(fc_w), w(fc_b), pack=pack, min_rows=mr),
+                     qkv=Linear(w(torch.cat([qw, kw, vw])), pack=pack, min_rows=mr),
+                     o=Linear(w(ow), pack=pack, min_rows=mr), ln_post=w(ln_post),
+                     gate_up=Linear(w(torch.cat([gw, uw])), pack=pack, min_rows=mr),
+                     down=Linear(w(dw), pack=pack, min_rows=mr), lm_head=lm, rotary=rotary,
+                     **extra)
 
 
 def load_shipped(target: Model, weights_dir: str | Path = SHIPPED) -> EagleHead:

@@ -195,7 +195,7 @@ class ModelDrafter:
         lm = self.model.lm_head
         self.head = Linear(lm.w.index_select(0, self.head_ids.to(lm.w.device)),
                            None if lm.b is None else lm.b[self.head_ids.to(lm.w.device)],
-                           pack=self.model.pack)
+                           pack=self.model.pack, min_rows=self.model.packed_min_rows)
 
     def _choose(self, logits: torch.Tensor, k: int, sp: SamplingParams):
         """(tokens, q, their draft probabilities). Greedy: top-k of the plain softmax,
