@@ -41,6 +41,19 @@ class SpecDecoder:
         # target features the drafters read (layer indices; L = the final norm's output)
         self.capture = tuple(sorted({i for d in self.drafters
                                      for i in (getattr(d, "features", None) or ())})) or None
+        # each feature drafter's columns of the captured [k, len(capture) * hidden] rows (None:
+        # all of them, in order), built once on the model's device
+        self.feature_cols = {}
+        if self.capture:
+            H = model.embed.shape[1]
+            for d in self.drafters:
+                want = getattr(d, "features", None)
+                if want:
+                    cols = [c for i in want for c in range(self.capture.index(i) * H,
+                                                           (self.capture.index(i) + 1) * H)]
+                    same = cols == list(range(len(self.capture) * H))
+                    self.feature_cols[id(d)] = None if same else torch.tensor(
+                        cols, device=model.device)
         # room for every verify fork: one per draft path or tree leaf (+1), each up to the
         # deepest draft + 1 tokens
         self.engine = Engine(model, tokenizer, max_kv_tokens, block_size, eos_token_ids,
@@ -148,14 +161,10 @@ class SpecDecoder:
     def _hand_features(self, context: list[int], feats: torch.Tensor) -> None:
         """Give each drafter that reads target features the columns of its layers for the
         positions just verified (`feats [k, F]` at positions len(context)-1-k .. -2)."""
-        H = feats.shape[1] // len(self.capture)
         for d in self.drafters:
-            want = getattr(d, "features", None)
-            if want:
-                cols = [c for i in want for c in range(self.capture.index(i) * H,
-                                                       (self.capture.index(i) + 1) * H)]
-                same = cols == list(range(feats.shape[1]))
-                d.observe(context, feats if same else feats[:, cols])
+            if id(d) in self.feature_cols:
+                cols = self.feature_cols[id(d)]
+                d.observe(context, feats if cols is None else feats.index_select(1, cols))
 
     def _propose(self, context: list[int], sp: SamplingParams) -> list[DraftPath]:
         """Split the path budget evenly over the path drafters; a drafter's unused share moves

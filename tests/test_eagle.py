@@ -171,6 +171,24 @@ def test_config_variants_of_published_heads(tmp_path):
     assert dec.generate(prompt, max_new_tokens=16).token_ids == hf_greedy(m.hf, prompt, 16)
 
 
+def test_two_heads_reading_different_layers_get_their_own_columns(tmp_path):
+    """An EAGLE-3 head (layers 2, 4, 5 of 8) beside an EAGLE-1 head (the final norm's output):
+    one capture of four layers, each head handed its own columns; still HF greedy exactly."""
+    hf = tiny_target()
+    m = Model(hf)
+    a = write_checkpoint(tmp_path / "a", "eagle3")
+    b = write_checkpoint(tmp_path / "b", "eagle1")
+    ds = make_drafters(f"eagle3:{a},eagle:{b}", "tiny", m, drafts=1, tree=(3, 3, 8))
+    dec = SpecDecoder(m, None, ds, num_paths=1, eos_token_ids=[])
+    assert dec.capture == (2, 4, 5, LAYERS)
+    assert dec.feature_cols[id(ds[0])].numel() == 3 * HID
+    assert dec.feature_cols[id(ds[1])].tolist() == list(range(3 * HID, 4 * HID))
+    prompt = [3, 17, 4, 3, 17, 4, 90, 11]
+    r = dec.generate(prompt, max_new_tokens=20)
+    assert r.token_ids == hf_greedy(hf, prompt, 20)
+    assert all(r.stats["per_drafter"][d.name]["proposed"] > 0 for d in ds)
+
+
 def test_cli_help_states_the_tree_defaults_in_force(capsys):
     """The parser stays torch-free, so its help spells the defaults out; they must be the
     engine's."""
