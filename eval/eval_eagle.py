@@ -195,7 +195,8 @@ def main(argv=None) -> None:
     res = {"command": command("eval_eagle", argv), "machine": host,
            "target": "smollm2-135m (float32)", "head": "specfork/drafters/weights/eagle",
            "tokens": a.tokens, "chain_depth": a.chain, "outputs_equal_greedy": exact,
-           "acceptance": acceptance, "first_token_agreement": first, "tau_vs_tree_size": tau, "cost": cost,
+           "acceptance": acceptance, "first_token_agreement": first, "tau_vs_tree_size": tau,
+           "cost": cost,
            "prompts": [p["id"] for p in prompts]}
     if a.json:
         os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)

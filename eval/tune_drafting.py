@@ -11,8 +11,9 @@ Each config is a JSON object: mix (drafters, in order: ngram, trained, eagle), p
 trained draft's output rows: the target's N most frequent tokens plus the request's; 0 or
 absent: all), dtype (the trained draft's: float16, the default, or bfloat16) and topk, depth,
 tokens (the shipped EAGLE head's tree: --tree-topk, --tree-depth, --draft-tokens). Greedy and
-every config run interleaved per prompt, twice, so machine noise hits all alike; prints tokens/s, the ratio to
-our greedy decoding measured in the same loop, τ, and whether the tokens equal greedy's;
+every config run interleaved per prompt, twice, so machine noise hits all alike; prints
+tokens/s, the ratio to our greedy decoding measured in the same loop, τ, and whether the tokens
+equal greedy's;
 `--out` writes the same as JSON, with the command and the machine.
 """
 from __future__ import annotations
@@ -58,9 +59,8 @@ def parse_config(text: str) -> dict:
     ok = isinstance(c["mix"], str) and all(k in ("ngram", "trained", "eagle")
                                            for k in c["mix"].split(","))
     if ok and "eagle" in c["mix"].split(","):
-        from specfork.drafters.eagle import DRAFT_TOKENS, TREE_DEPTH, TREE_TOPK, check_tree
-        check_tree(c.get("topk", TREE_TOPK), c.get("depth", TREE_DEPTH),
-                   c.get("tokens", DRAFT_TOKENS))
+        from specfork.drafters.eagle import check_tree, tree_shape
+        check_tree(*tree_shape(c.get("topk"), c.get("depth"), c.get("tokens")))
     ok = ok and all(isinstance(c[k], (int, float)) for k in ("paths", "len", "conf"))
     if not ok or c["paths"] < 1 or c["len"] < 1 or not 0 <= c["conf"] < 1 \
             or c.get("dtype", "float16") not in ("float16", "bfloat16"):
@@ -84,8 +84,7 @@ def main(argv=None):
     from specfork.decoder import SpecDecoder
     from specfork.drafters.model_drafter import ModelDrafter
     from specfork.drafters.ngram import NgramDrafter
-    from specfork.drafters.eagle import (DRAFT_TOKENS, TREE_DEPTH, TREE_TOPK, EagleDrafter,
-                                         load_shipped)
+    from specfork.drafters.eagle import EagleDrafter, load_shipped, tree_shape
     from specfork.drafters.trained_draft import load_trained_draft, load_vocab
     from specfork.model import Model
     from specfork.loader import load_hf
@@ -103,9 +102,8 @@ def main(argv=None):
         if k == "ngram":
             return NgramDrafter(min_ngram=c.get("ngmin", 1))
         if k == "eagle":
-            return EagleDrafter(eagle_head, topk=c.get("topk", TREE_TOPK),
-                                depth=c.get("depth", TREE_DEPTH),
-                                tokens=c.get("tokens", DRAFT_TOKENS))
+            return EagleDrafter(eagle_head, "eagle", *tree_shape(c.get("topk"), c.get("depth"),
+                                                                 c.get("tokens")))
         return ModelDrafter(drafts[c.get("dtype", "float16")], name="trained", min_conf=c["conf"],
                             vocab=load_vocab(c["vocab"]) if c.get("vocab") else None)
 

@@ -94,9 +94,7 @@ def generate(a) -> int:
                             "only with --drafts N (N >= 1)")
     draft_len = DRAFT_LEN if a.draft_len is None else a.draft_len
     from specfork.drafters import eagle
-    tree = (eagle.TREE_TOPK if a.tree_topk is None else a.tree_topk,
-            eagle.TREE_DEPTH if a.tree_depth is None else a.tree_depth,
-            eagle.DRAFT_TOKENS if a.draft_tokens is None else a.draft_tokens)
+    tree = eagle.tree_shape(a.tree_topk, a.tree_depth, a.draft_tokens)
     check_drafting(a.drafts, draft_len, a.drafter, a.target, a.min_conf, a.draft_vocab, tree)
     check_device(a.device)
     check_sampling(a.max_new_tokens, a.temperature, a.top_p, a.top_k, a.seed)

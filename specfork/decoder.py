@@ -73,16 +73,14 @@ class SpecDecoder:
         from specfork.drafters import eagle
         from specfork.drafters.registry import make_drafters
         from specfork.loader import check_device, load_hf
-        tree = (eagle.TREE_TOPK if tree_topk is None else tree_topk,
-                eagle.TREE_DEPTH if tree_depth is None else tree_depth,
-                eagle.DRAFT_TOKENS if draft_tokens is None else draft_tokens)
+        tree = eagle.tree_shape(tree_topk, tree_depth, draft_tokens)
         check_drafting(drafts, draft_len, drafter, target, min_conf, draft_vocab, tree)
         check_device(device)                               # both before any weights load
         hf, tok = load_hf(target, dtype=dtype, device=device)
         model = Model(hf)
         drafters = (make_drafters(drafter, target, model, drafts, min_conf, draft_vocab,
                                   draft_len=draft_len, tree=tree,
-                                  max_kv_tokens=kw.get("max_kv_tokens") or 8192)
+                                  max_kv_tokens=kw.get("max_kv_tokens"))
                     if drafts > 0 else [])
         return cls(model, tok, drafters, num_paths=drafts, draft_len=draft_len, **kw)
 

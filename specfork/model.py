@@ -266,13 +266,11 @@ class Model:
             x = ly.o.add_to(x, a.reshape(T, nq))
             g, u = ly.gate_up(rms_norm(x, ly.ln2, self.eps)).chunk(2, dim=-1)
             x = ly.down.add_to(x, F.silu(g) * u)
-        if capture is None:
-            if logits_idx is not None:
-                x = x[logits_idx]
-            return (self.lm_head if head is None else head)(rms_norm(x, self.norm, self.eps))
-        normed = rms_norm(x, self.norm, self.eps)
-        kept[self.num_layers] = normed
-        feats = torch.cat([kept[i] for i in capture], dim=-1)
+        if capture is not None:
+            if self.num_layers in capture:               # EAGLE-1: every row's final norm
+                kept[self.num_layers] = rms_norm(x, self.norm, self.eps)
+            feats = torch.cat([kept[i] for i in capture], dim=-1)
         if logits_idx is not None:
-            normed = normed[logits_idx]
-        return (self.lm_head if head is None else head)(normed), feats
+            x = x[logits_idx]
+        logits = (self.lm_head if head is None else head)(rms_norm(x, self.norm, self.eps))
+        return logits if capture is None else (logits, feats)

@@ -255,7 +255,8 @@ def test_tree_options_are_checked_before_loading():
 
 # -- lossless sampling over several verify steps, every drafter ----------------------------------
 
-SV, SN = 4, 6       # the prefill samples 1 token, each verify step (paths of 1) at most 2: >= 3 steps
+SV, SN = 4, 6       # the prefill samples 1 token, each verify step (paths of 1) at most 2:
+                    # >= 3 steps
 RUNS = 1500
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from specfork.attention import AttnMeta
+from specfork.engine import DEFAULT_KV_TOKENS
 from specfork.errors import SpecforkError
 from specfork.kv_tree import BlockPool, KVTree, blocks_for
 from specfork.model import Linear, Model, apply_rope, rms_norm, rope_tables
@@ -48,6 +49,13 @@ SHIPPED = Path(__file__).resolve().parent / "weights" / "eagle"
 
 class EagleCheckpointError(SpecforkError):
     """A checkpoint that does not fit the target or the layout it claims."""
+
+
+def tree_shape(topk: int | None = None, depth: int | None = None,
+               tokens: int | None = None) -> tuple[int, int, int]:
+    """(top-k, depth, nodes) of the draft tree, the tuned defaults where None."""
+    return (TREE_TOPK if topk is None else topk, TREE_DEPTH if depth is None else depth,
+            DRAFT_TOKENS if tokens is None else tokens)
 
 
 def check_tree(topk: int, depth: int, tokens: int) -> None:
@@ -187,7 +195,7 @@ def _cfg_int(cfg: dict, key: str, path: Path, default=None) -> int:
     return v
 
 
-def load_eagle(path: str | Path, target: Model, arch: str, name: str | None = None) -> EagleHead:
+def load_eagle(path: str | Path, target: Model, arch: str) -> EagleHead:
     """An EAGLE-3 (`arch="eagle3"`) or EAGLE-1 (`"eagle1"`) head in the layout its authors
     publish, checked against `target`; every key must be consumed and fit."""
     from transformers import LlamaConfig
@@ -213,15 +221,14 @@ def load_eagle(path: str | Path, target: Model, arch: str, name: str | None = No
     L = target.num_layers
     left = dict(state)
 
-    def take(key: str, shape: tuple, optional: bool = False, alias: str | None = None):
-        k = key if key in left or alias is None or alias not in left else alias
-        if k not in left:
+    def take(key: str, shape: tuple, optional: bool = False):
+        if key not in left:
             if optional:
                 return None
             raise EagleCheckpointError(f"EAGLE checkpoint '{path}' lacks '{key}'")
-        t = left.pop(k)
+        t = left.pop(key)
         if tuple(t.shape) != shape:
-            raise EagleCheckpointError(f"EAGLE checkpoint '{path}': '{k}' has shape "
+            raise EagleCheckpointError(f"EAGLE checkpoint '{path}': '{key}' has shape "
                                        f"{tuple(t.shape)}, the target needs {shape}")
         return t
 
@@ -322,7 +329,7 @@ class EagleDrafter:
 
     def __init__(self, head: EagleHead, name: str = "eagle", topk: int = TREE_TOPK,
                  depth: int = TREE_DEPTH, tokens: int = DRAFT_TOKENS,
-                 max_kv_tokens: int = 8192):
+                 max_kv_tokens: int = DEFAULT_KV_TOKENS):
         check_tree(topk, depth, tokens)
         self.head, self.name = head, name
         self.features = head.capture

@@ -54,19 +54,22 @@ def check_drafting(drafts: int, draft_len: int, spec: str | None = None, target:
 def make_drafters(spec: str | None, target: str, model, drafts: int,
                   min_conf: float | None = None, draft_vocab: int | None = None,
                   draft_len: int = 4, tree: tuple[int, int, int] | None = None,
-                  max_kv_tokens: int = 8192) -> list:
+                  max_kv_tokens: int | None = None) -> list:
     """`min_conf` (None: the model drafter's default) sets when model-draft paths stop;
     `draft_vocab` how many output rows the trained draft keeps (None: its default, 0: all);
     `tree` the EAGLE tree's (top-k, depth, nodes), None: the defaults.
     Model drafters get KV room for `drafts` paths of `draft_len` tokens."""
     from specfork.drafters import eagle
-    tree = tree or (eagle.TREE_TOPK, eagle.TREE_DEPTH, eagle.DRAFT_TOKENS)
+    from specfork.engine import DEFAULT_KV_TOKENS
+    tree = tree or eagle.tree_shape()
+    max_kv_tokens = max_kv_tokens or DEFAULT_KV_TOKENS
     check_drafting(drafts, draft_len, spec, target, min_conf, draft_vocab, tree)
     out = []
     for kind, arg in parse_spec(spec, target):
         if kind in ("eagle", "eagle3"):
+            arch = eagle.EAGLE3 if kind == "eagle3" else eagle.EAGLE1
             head = (eagle.load_shipped(model) if kind == "eagle" and not arg else
-                    eagle.load_eagle(arg, model, eagle.EAGLE3 if kind == "eagle3" else eagle.EAGLE1))
+                    eagle.load_eagle(arg, model, arch))
             name = "eagle" if not arg else f"{kind}:{arg}"
             out.append(eagle.EagleDrafter(head, name, *tree, max_kv_tokens=max_kv_tokens))
         elif kind == "ngram":
