@@ -67,6 +67,9 @@ def _args(argv):
                    help="EAGLE rows' head: auto (the shipped head of the embedded target), "
                         "eagle3:PATH or eagle:PATH (published EAGLE-3 / EAGLE-1 checkpoints)")
     p.add_argument("--draft-len", type=int, default=4, help="tokens per draft path (ours)")
+    p.add_argument("--no-adaptive", dest="adaptive", action="store_false",
+                   help="rows multi, eagle, eagle_ngram draft their full budget every step "
+                        "(default: adaptive drafting, as `specfork generate` runs)")
     p.add_argument("--lookup-tokens", type=int, default=10,
                    help="HF prompt_lookup_num_tokens (HF's documented example value)")
     p.add_argument("--rows", default=None,
@@ -210,7 +213,7 @@ class Run:
 class Row:
     key: str
     strategy: str
-    branches: int
+    branches: int | str              # draft paths / beams; EAGLE rows: "tree of N" (+ paths)
     peer: bool
     weights: int                     # bytes of the weights of the models this row runs
     run: Callable[[list[int], int], Run] | None
@@ -350,7 +353,7 @@ def build_rows(a, model, tok, draft_hf, draft_tag: str, longest: int) -> list[Ro
     a.multi_draft_dtype = str(engine_draft.model.dtype).split(".")[-1]
     a.multi_draft_vocab = None if engine_draft.vocab is None else len(engine_draft.vocab)
     multi = SpecDecoder(model, tok, [NgramDrafter(), engine_draft], num_paths=a.paths,
-                        draft_len=a.draft_len, max_kv_tokens=room)
+                        draft_len=a.draft_len, max_kv_tokens=room, adaptive=a.adaptive)
     assistant = alias(draft_hf)                   # own hooks and generation config
     # the same draft at our drafting settings: draft_len tokens, per-token confidence cut
     assistant_k = alias(draft_hf)
@@ -424,10 +427,12 @@ def eagle_rows(a, model, tok, room: int, target_bytes: int) -> list[Row]:
     rows = []
     for k, ds in heads.items():
         dec = SpecDecoder(model, tok, ds, num_paths=a.paths, draft_len=a.draft_len,
-                          max_kv_tokens=room)
+                          max_kv_tokens=room, adaptive=a.adaptive)
         own = sum(d.head.own_bytes(model) for d in ds if hasattr(d, "head"))
+        tree = f"tree of {DRAFT_TOKENS}"
         rows.append(Row(k, names[k] + (f" [{spec}]" if spec != "eagle" else " [shipped head]"),
-                        a.paths, False, target_bytes + own, ours(dec), "greedy",
+                        tree if k == "eagle" else f"{a.paths} + {tree}", False,
+                        target_bytes + own, ours(dec), "greedy",
                         reserved=reserved_bytes(dec)))
     return rows
 
@@ -635,7 +640,8 @@ def markdown(res: dict) -> str:
 HOW = """
 ## How each column is measured
 
-- **branches**: KV branches alive at once: beams for beam search, draft paths for speculation.
+- **branches**: KV branches alive at once: beams for beam search, draft paths for speculation
+  (EAGLE rows: a draft tree of N nodes, whose leaves are the branches, beside the n-gram paths).
 - **tokens/s**: new tokens / wall time of the whole call (prefill included, prompt already
   tokenized), per prompt; the median over prompts. Every row is warmed up once before timing.
 - **speedup vs HF greedy**: the row's median tokens/s ÷ HF greedy's median tokens/s.
@@ -785,6 +791,7 @@ def _run(a, command: str, t_start: float, host: dict) -> int:
                    "prompt_ids": [p["id"] for p in prompts], "prompts_planned": planned,
                    "budget_min": a.budget_min, "beams": a.beams,
                    "draft_paths": a.paths, "draft_len": a.draft_len,
+                   "adaptive_drafting": a.adaptive,
                    "draft_min_conf": MIN_CONF, "kv_block_size": model.block_size,
                    "multi_draft_dtype": getattr(a, "multi_draft_dtype", None),
                    "multi_draft_vocab": getattr(a, "multi_draft_vocab", None),

@@ -10,7 +10,9 @@ Each config is a JSON object: mix (drafters, in order: ngram, trained, eagle), p
 (the trained draft's min_conf), optionally ngmin (n-gram drafter's shortest match) and vocab (the
 trained draft's output rows: the target's N most frequent tokens plus the request's; 0 or
 absent: all), dtype (the trained draft's: float16, the default, or bfloat16) and topk, depth,
-tokens (the shipped EAGLE head's tree: --tree-topk, --tree-depth, --draft-tokens). Greedy and
+tokens (the shipped EAGLE head's tree: --tree-topk, --tree-depth, --draft-tokens) and adaptive
+(true: adaptive drafting as `specfork generate` runs it; false or absent: the full budget every
+step). Greedy and
 every config run interleaved per prompt, twice, so machine noise hits all alike; prints
 tokens/s, the ratio to our greedy decoding measured in the same loop, τ, and whether the tokens
 equal greedy's;
@@ -44,7 +46,7 @@ PROMPTS = [
 
 
 REQUIRED = {"mix", "paths", "len", "conf"}
-OPTIONAL = {"ngmin", "vocab", "dtype", "topk", "depth", "tokens"}
+OPTIONAL = {"ngmin", "vocab", "dtype", "topk", "depth", "tokens", "adaptive"}
 
 
 def parse_config(text: str) -> dict:
@@ -63,9 +65,10 @@ def parse_config(text: str) -> dict:
         check_tree(*tree_shape(c.get("topk"), c.get("depth"), c.get("tokens")))
     ok = ok and all(isinstance(c[k], (int, float)) for k in ("paths", "len", "conf"))
     if not ok or c["paths"] < 1 or c["len"] < 1 or not 0 <= c["conf"] < 1 \
-            or c.get("dtype", "float16") not in ("float16", "bfloat16"):
+            or c.get("dtype", "float16") not in ("float16", "bfloat16") \
+            or not isinstance(c.get("adaptive", False), bool):
         raise SpecforkError(f"config {text!r}: mix of ngram/trained/eagle, paths >= 1, len >= 1, "
-                            "0 <= conf < 1, dtype float16 or bfloat16")
+                            "0 <= conf < 1, dtype float16 or bfloat16, adaptive true or false")
     return c
 
 
@@ -109,11 +112,13 @@ def main(argv=None):
 
     def make(c):
         ds = [one(k, c) for k in c["mix"].split(",")]
-        return SpecDecoder(model, tok, ds, num_paths=c["paths"], draft_len=c["len"])
+        return SpecDecoder(model, tok, ds, num_paths=c["paths"], draft_len=c["len"],
+                           adaptive=c.get("adaptive", False))
 
     decs, greedy = [make(c) for c in cfgs], SpecDecoder(model, tok)
     N = a.max_new_tokens
     tg, ts, fw, same = 0.0, [0.0] * len(cfgs), [0] * len(cfgs), [True] * len(cfgs)
+    off = [0] * len(cfgs)                        # adaptive: verify steps with speculation off
     for _ in range(a.reps):
         for p in PROMPTS:
             ids = greedy.encode(p)
@@ -125,10 +130,12 @@ def main(argv=None):
                 o = d.generate(ids, max_new_tokens=N)
                 ts[j] += time.perf_counter() - t
                 fw[j] += o.stats["target_forwards"]
+                off[j] += o.stats.get("adaptive", {}).get("off_steps", 0)
                 same[j] &= o.token_ids == ref
     n = a.reps * N * len(PROMPTS)
     rows = [{"config": c, "tokens_per_s": n / t, "speedup_vs_greedy": tg / t, "tau": n / f,
-             "tokens_equal_greedy": k} for c, t, f, k in zip(cfgs, ts, fw, same)]
+             "tokens_equal_greedy": k, "steps_speculation_off": o}
+            for c, t, f, k, o in zip(cfgs, ts, fw, same, off)]
     print(f"greedy {n / tg:.2f} tok/s")
     for r in rows:
         print(json.dumps(r["config"]), f"{r['tokens_per_s']:.2f} tok/s  "

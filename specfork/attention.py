@@ -11,6 +11,10 @@ Paths (`pick_path` chooses):
   masked   tokens that each see their own prefix subset, or a short prefix on CPU: two bmm's
            under one additive mask
   cascade  CPU otherwise: the prefix dense, the tree under its mask, merged by log-sum-exp
+
+On a CPU, decode and cascade read the leading run of consecutive prefix slots (a prompt's: the
+pool hands large allocations out in order) as a view of the pool and gather only the rest: a
+per-layer gather of a 3K-token prefix cost more than the attention that reads it.
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from specfork.kernels.dense_attention import causal_attention, decode_attention, masked_attention
-from specfork.kernels.tree_attention import tree_attention, tree_attention_torch, tree_bias_of
+from specfork.kernels.tree_attention import (_flash_cpu, tree_attention, tree_attention_torch,
+                                             tree_bias_of)
 
 DECODE, CAUSAL, PAGED, MASKED, CASCADE = "decode", "causal", "paged", "masked", "cascade"
 
@@ -30,6 +35,7 @@ DECODE, CAUSAL, PAGED, MASKED, CASCADE = "decode", "causal", "paged", "masked", 
 # for trees of 2-32 tokens the bmm's are 1.05-1.6x faster up to 384 prefix tokens and the cascade
 # wins from 512-1024 on; a 64-token tree takes the cascade at 0.5-0.6x their time from 256 on.
 SHORT_PREFIX, SHORT_TREE = 384, 32
+RUN_MIN = 64               # a run of consecutive prefix slots this long is read in place (CPU)
 
 
 def pick_path(T: int, L: int, *, gpu: bool, causal: bool, per_query: bool,
@@ -40,8 +46,8 @@ def pick_path(T: int, L: int, *, gpu: bool, causal: bool, per_query: bool,
     can read prefix + its own slot in one gather."""
     if per_query:
         return MASKED
-    if gpu and causal and L == 0:
-        return CAUSAL
+    if causal and L == 0 and (gpu or T > 1):      # CPU too: 3300 tokens in 4.05 s, cascade 5.71
+        return CAUSAL                              # (results/prefill_cpu.json)
     if T == 1 and plain_write:
         return DECODE
     if gpu:
@@ -66,6 +72,9 @@ class AttnMeta:
     tree_mask: torch.Tensor | None = None     # [T, T] bool (not on decode, causal)
     bias: torch.Tensor | None = None          # additive 0/-inf: cascade [T, T], masked [T*G, L+T]
     table: torch.Tensor | None = None         # [L] int32 (paged)
+    run: tuple[int, int] | None = None        # CPU decode/cascade: (first slot, length) of the
+    #                                           prefix's leading run, read as a view; `read`
+    #                                           then holds only the slots after it
 
     @classmethod
     def prefill(cls, model, prefix: torch.Tensor, write: torch.Tensor) -> "AttnMeta":
@@ -102,9 +111,15 @@ class AttnMeta:
         path = pick_path(T, L, gpu=dev.type == "cuda", causal=causal,
                          per_query=prefix_mask is not None,
                          plain_write=write is not None and write_src is None)
+        run = None
+        if dev.type == "cpu" and path in (DECODE, CASCADE) and L >= RUN_MIN and (
+                path == DECODE or _flash_cpu is not None):
+            r = leading_run(prefix)
+            if r >= RUN_MIN:
+                run, prefix = (int(prefix[0]), r), prefix[r:]
         read = torch.cat((prefix, write)) if path == DECODE else prefix
         read, write, write_src = _to_device(dev, read, write, write_src)
-        meta = cls(path, L, read, write, write_src)
+        meta = cls(path, L, read, write, write_src, run=run)
         if path in (DECODE, CAUSAL):
             return meta
         if tree_mask is None:              # prefill; a tree's mask is never None
@@ -114,6 +129,11 @@ class AttnMeta:
             meta.table = read.to(torch.int32)
         elif path == CASCADE:
             meta.bias = tree_bias_of(tree_mask, model.dtype)
+            if run is not None and read.numel():    # the gathered rest: seen by every token
+                tb = meta.bias if meta.bias is not None else torch.zeros(
+                    T, T, dtype=model.dtype, device=dev)
+                meta.bias = torch.cat((torch.zeros(T, read.numel(), dtype=model.dtype,
+                                                   device=dev), tb), dim=1)
         else:                              # MASKED; without a prefix mask: all of a short prefix
             if prefix_mask is None:
                 prefix_mask = torch.ones(T, L, dtype=torch.bool, device=dev)
@@ -127,6 +147,16 @@ class AttnMeta:
                v_slots: torch.Tensor, scale: float) -> torch.Tensor:
         """One layer: q `[T, H, D]`, the new k/v `[T, KVH, D]` (already written), the layer's
         pool as slot arrays `[slots, KVH, D]` -> `[T, H, D]`."""
+        if self.run is not None:                  # CPU decode / cascade over a long prefix
+            a, r = self.run
+            kr, vr = k_slots[a:a + r], v_slots[a:a + r]                  # views, no copy
+            kx, vx = k_slots.index_select(0, self.read), v_slots.index_select(0, self.read)
+            if self.path == DECODE:
+                return decode_attention(q, kr, vr, scale, kx, vx)
+            if self.read.numel():
+                k, v = torch.cat((kx, k)), torch.cat((vx, v))
+            return tree_attention_torch(q, kr, vr, k, v, self.tree_mask, scale,
+                                        tree_bias=self.bias)
         if self.path == DECODE:
             return decode_attention(q, k_slots.index_select(0, self.read),
                                     v_slots.index_select(0, self.read), scale)
@@ -150,6 +180,14 @@ def _to_device(dev: torch.device, *ts: torch.Tensor | None) -> tuple:
     flat = torch.cat([t.long() for t in live]).to(dev).split([t.numel() for t in live])
     it = iter(flat)
     return tuple(None if t is None else next(it) for t in ts)
+
+
+def leading_run(slots: torch.Tensor) -> int:
+    """How many of `slots` (CPU) from the first are consecutive ids: slots[0], slots[0] + 1, ..."""
+    if slots.numel() < 2:
+        return slots.numel()
+    brk = torch.nonzero(slots[1:] - slots[:-1] != 1)
+    return int(brk[0]) + 1 if brk.numel() else slots.numel()
 
 
 def causal_mask(T: int, device=None) -> torch.Tensor:

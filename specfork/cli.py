@@ -40,6 +40,10 @@ def _args(argv):
     g.add_argument("--tree-depth", type=int, default=None, help="EAGLE tree depth (default 3)")
     g.add_argument("--draft-tokens", type=int, default=None,
                    help="EAGLE tree: nodes kept for verification (default 8)")
+    g.add_argument("--no-adaptive", dest="adaptive", action="store_false",
+                   help="every drafter drafts its full budget every step (default: adaptive "
+                        "drafting picks drafters and depth from measured cost and acceptance, "
+                        "down to plain decoding)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file holding the prompt ('-' for stdin)")
@@ -76,7 +80,8 @@ def generate(a) -> int:
     from specfork.sampling import check_sampling
     drafting = {"--drafter": a.drafter, "--draft-len": a.draft_len, "--min-conf": a.min_conf,
                 "--draft-vocab": a.draft_vocab, "--tree-topk": a.tree_topk,
-                "--tree-depth": a.tree_depth, "--draft-tokens": a.draft_tokens}
+                "--tree-depth": a.tree_depth, "--draft-tokens": a.draft_tokens,
+                "--no-adaptive": None if a.adaptive else True}
     sampling = {"--temperature": a.temperature or None, "--top-p": a.top_p, "--top-k": a.top_k,
                 "--seed": a.seed}
     # Which flags go together is the CLI's own rule; every value is checked by the library,
@@ -105,7 +110,7 @@ def generate(a) -> int:
                                       draft_len=draft_len, dtype=dtype, device=a.device,
                                       min_conf=a.min_conf, draft_vocab=a.draft_vocab,
                                       tree_topk=tree[0], tree_depth=tree[1],
-                                      draft_tokens=tree[2])
+                                      draft_tokens=tree[2], adaptive=a.adaptive)
     tok = dec.tokenizer
     if a.beams:
         from specfork.search import beam_search
@@ -134,8 +139,9 @@ def generate(a) -> int:
         sys.stdout.write(res.text[len(shown["text"]):] + "\n")
         s = res.stats
         print(f"[{s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, "
-              f"{s['target_forwards']} target forwards, tau {s['mean_accepted']:.2f}]",
-              file=sys.stderr)
+              f"{s['target_forwards']} target forwards, tau {s['mean_accepted']:.2f}"
+              + (f", speculation off {s['adaptive']['off_steps']} steps" if "adaptive" in s
+                 else "") + "]", file=sys.stderr)
     return 0
 
 

@@ -8,6 +8,8 @@ from typing import Callable
 
 import torch
 
+from specfork import cost_model
+from specfork.adaptive import DraftController
 from specfork.attention import AttnMeta
 from specfork.drafters.base import Drafter
 from specfork.drafters.registry import DRAFT_LEN, check_drafting
@@ -28,7 +30,10 @@ class SpecDecoder:
     def __init__(self, model: Model, tokenizer, drafters: list[Drafter] | None = None,
                  num_paths: int = 0, draft_len: int = DRAFT_LEN, tree_budget: int | None = None,
                  max_kv_tokens: int | None = None, block_size: int | None = None,
-                 eos_token_ids: list[int] | None = None):
+                 eos_token_ids: list[int] | None = None, adaptive: bool = False):
+        """`adaptive`: each step, choose which drafters draft and how deep from measured costs
+        and acceptance, down to plain decoding (specfork.adaptive); off: every drafter drafts
+        its full budget every step."""
         check_drafting(num_paths, draft_len)
         self.drafters = list(drafters or [])
         self.num_paths = num_paths if self.drafters else 0
@@ -60,6 +65,11 @@ class SpecDecoder:
                              forks=self.num_paths + tree_nodes + 1, fork_tokens=deepest + 1)
         self.model, self.tokenizer, self.kv = model, tokenizer, self.engine.kv
         self.pool, self.eos = self.kv.pool, self.engine.eos
+        self.controller = None
+        if adaptive and self.num_paths:        # times the verify forward once per model
+            self.controller = DraftController(
+                self.drafters, draft_len,
+                cost_model.for_model(model, self.kv, self.tree_budget + 1))
 
     @classmethod
     def from_pretrained(cls, target: str = "smollm2-135m", drafts: int = 0,
@@ -67,9 +77,10 @@ class SpecDecoder:
                         dtype: torch.dtype | None = None, device: str | None = None,
                         min_conf: float | None = None, draft_vocab: int | None = None,
                         tree_topk: int | None = None, tree_depth: int | None = None,
-                        draft_tokens: int | None = None, **kw) -> "SpecDecoder":
+                        draft_tokens: int | None = None, adaptive: bool = True,
+                        **kw) -> "SpecDecoder":
         """`tree_topk`, `tree_depth`, `draft_tokens`: the EAGLE draft tree's shape (None: the
-        tuned defaults)."""
+        tuned defaults). `adaptive` (on by default here): see `SpecDecoder`."""
         from specfork.drafters import eagle
         from specfork.drafters.registry import make_drafters
         from specfork.loader import check_device, load_hf
@@ -82,7 +93,8 @@ class SpecDecoder:
                                   draft_len=draft_len, tree=tree,
                                   max_kv_tokens=kw.get("max_kv_tokens"))
                     if drafts > 0 else [])
-        return cls(model, tok, drafters, num_paths=drafts, draft_len=draft_len, **kw)
+        return cls(model, tok, drafters, num_paths=drafts, draft_len=draft_len,
+                   adaptive=adaptive, **kw)
 
     def encode(self, prompt: str | list[int], raw: bool = False) -> list[int]:
         return self.engine.encode(prompt, raw)
@@ -97,6 +109,8 @@ class SpecDecoder:
         self.engine.check_length(len(prompt_ids), max_new_tokens)
         sp = sampling_params(temperature, top_p, top_k, seed)
         st = _Stats(self.drafters)
+        if self.controller is not None:
+            self.controller.begin()
         self.pool.reset_peak()
         t0 = time.perf_counter()
         branch = self.kv.new_branch()
@@ -109,8 +123,10 @@ class SpecDecoder:
             for d in self.drafters:
                 d.end()
         wall = time.perf_counter() - t0
-        return GenerateOutput(self.engine.decode(out), out, prompt_ids,
-                              st.finish(len(out), wall, self.pool, self.kv))
+        stats = st.finish(len(out), wall, self.pool, self.kv)
+        if self.controller is not None:
+            stats["adaptive"] = self.controller.stats([d.name for d in self.drafters])
+        return GenerateOutput(self.engine.decode(out), out, prompt_ids, stats)
 
     def _run(self, B, prompt_ids, max_new, sp, st, on_tokens) -> list[int]:
         m, kv = self.model, self.kv
@@ -164,63 +180,108 @@ class SpecDecoder:
                 cols = self.feature_cols[id(d)]
                 d.observe(context, feats if cols is None else feats.index_select(1, cols))
 
-    def _propose(self, context: list[int], sp: SamplingParams) -> list[DraftPath]:
-        """Split the path budget evenly over the path drafters; a drafter's unused share moves
-        on. A tree drafter proposes its own tree (its node budget is its own)."""
+    def _propose(self, context: list[int], sp: SamplingParams, depths: list[int]):
+        """Paths for the verify tree, and per drafter what it proposed (None: it did not draft)
+        and the seconds it took. Path drafters with a depth share the path budget evenly (an
+        unused share moves on); a tree drafter proposes its own tree (its own node budget). A
+        cheap drafter left out of the plan still drafts, to be scored in the shadow."""
         paths: list[DraftPath] = []
-        path_drafters = [d for d in self.drafters if not getattr(d, "tree_tokens", 0)]
-        left, k = self.num_paths, len(path_drafters)
-        for d in self.drafters:
-            if getattr(d, "tree_tokens", 0):
-                paths += d.propose(context, 0, 0, sp)
+        props: list[list[list[int]] | None] = [None] * len(self.drafters)
+        secs = [0.0] * len(self.drafters)
+        ctl = self.controller
+        path_idx = [i for i, d in enumerate(self.drafters) if not getattr(d, "tree_tokens", 0)]
+        left, k = self.num_paths, sum(1 for i in path_idx if depths[i])
+        for i, d in enumerate(self.drafters):
+            tree = bool(getattr(d, "tree_tokens", 0))
+            shadow = not depths[i] and ctl is not None and ctl.cheap(i)
+            if not depths[i] and not shadow:
                 continue
-            share = -(-left // k)
-            k -= 1
-            got = d.propose(context, share, self.draft_len, sp) if share else []
-            paths += got[:share]
-            left -= len(got[:share])
-        return paths
+            if tree:
+                share, length = 0, 0
+            elif shadow:
+                share, length = -(-self.num_paths // max(1, len(path_idx))), self.draft_len
+            else:
+                share, length = -(-left // k), self.draft_len if ctl is None or ctl.cheap(i) \
+                    else depths[i]
+                k -= 1
+            t0 = time.perf_counter()
+            got = d.propose(context, share, length, sp) if (share or tree) else []
+            secs[i] = time.perf_counter() - t0
+            if not tree:
+                got = got[:share]
+            props[i] = [p.tokens for p in got]
+            if depths[i]:
+                if not tree:
+                    left -= len(got)
+                    if length > depths[i]:            # drafted deeper for its score only
+                        got = [DraftPath(p.tokens[:depths[i]], None if p.q is None
+                                         else p.q[:depths[i]], p.drafter, p.meta) for p in got]
+                paths += got
+        return paths, props, secs
+
+    def _verify(self, tree: TokenTree, n: int, meta: AttnMeta, sp: SamplingParams):
+        """One target forward over `tree` after `n` tokens -> (accepted node path, the next
+        token, the captured features or None)."""
+        m = self.model
+        logits = m.forward(tree.tokens.to(m.device), tree.positions(n).to(m.device), self.pool,
+                           meta, capture=self.capture)
+        feats = None
+        if self.capture:
+            logits, feats = logits
+        if sp.greedy:
+            return (*verify_greedy(tree, logits), feats)
+        return (*verify_sampling(tree, logits, sp), feats)
 
     def _spec_step(self, B, context: list[int], sp: SamplingParams, st: "_Stats") -> list[int]:
         """Draft, verify every path in one forward, commit the accepted fork, free the rest."""
-        m, kv, dev = self.model, self.kv, self.model.device
+        m, kv = self.model, self.kv
         n = B.length
-        paths = self._propose(context, sp)
+        ctl = self.controller
+        depths = ctl.plan() if ctl is not None else [self.draft_len] * len(self.drafters)
+        paths, props, secs = self._propose(context, sp, depths)
+        t_verify = time.perf_counter()
         tree = TokenTree.build(context[-1], paths, self.tree_budget)
-        leaves = tree.leaf_paths()                       # node lists root..leaf
-        forks = []                                       # one CoW fork of B per draft path
-        try:                                             # a failure (or Ctrl-C) frees them
-            writes = []
-            for p in leaves:
-                forks.append(kv.fork(B))
-                writes.append(kv.append(forks[-1], len(p)))
-            meta = AttnMeta.tree(m, kv.slots(B), tree.ancestor_mask(), torch.cat(writes),
-                                 torch.tensor([i for p in leaves for i in p]))
-            logits = m.forward(tree.tokens.to(dev), tree.positions(n).to(dev), self.pool, meta,
-                               capture=self.capture)
-            if self.capture:
-                logits, feats = logits
-            if sp.greedy:
-                path, nxt = verify_greedy(tree, logits)
-            else:
-                path, nxt = verify_sampling(tree, logits, sp)
-        except BaseException:
-            for f in forks:
-                kv.release(f)
-            raise
-        keep = next(i for i, p in enumerate(leaves) if p[:len(path)] == path)
-        for i, f in enumerate(forks):
-            if i != keep:
-                kv.release(f)
-        kv.truncate(forks[keep], n + len(path))
-        kv.adopt(B, forks[keep])
+        if len(tree) == 1:              # nothing drafted: a plain decode step, straight into B
+            meta = AttnMeta.prefill(m, kv.slots(B), kv.append(B, 1))
+            path, nxt, feats = self._verify(tree, n, meta, sp)
+        else:
+            leaves = tree.leaf_paths()                   # node lists root..leaf
+            forks = []                                   # one CoW fork of B per draft path
+            try:                                         # a failure (or Ctrl-C) frees them
+                writes = []
+                for p in leaves:
+                    forks.append(kv.fork(B))
+                    writes.append(kv.append(forks[-1], len(p)))
+                meta = AttnMeta.tree(m, kv.slots(B), tree.ancestor_mask(), torch.cat(writes),
+                                     torch.tensor([i for p in leaves for i in p]))
+                path, nxt, feats = self._verify(tree, n, meta, sp)
+            except BaseException:
+                for f in forks:
+                    kv.release(f)
+                raise
+            keep = next(i for i, p in enumerate(leaves) if p[:len(path)] == path)
+            for i, f in enumerate(forks):
+                if i != keep:
+                    kv.release(f)
+            kv.truncate(forks[keep], n + len(path))
+            kv.adopt(B, forks[keep])
         st.record(tree, path)
         emitted = [int(tree.tokens[i]) for i in path[1:]] + [nxt]
-        for d in self.drafters:
+        t_verify = time.perf_counter() - t_verify
+        for i, d in enumerate(self.drafters):
             if not getattr(d, "features", None):
+                t0 = time.perf_counter()
                 d.observe(context + emitted)
+                secs[i] += time.perf_counter() - t0
         if self.capture:
+            t0 = time.perf_counter()
             self._hand_features(context + emitted, feats[torch.tensor(path, device=feats.device)])
+            t_feat = time.perf_counter() - t0
+            for i, d in enumerate(self.drafters):
+                if getattr(d, "features", None):
+                    secs[i] += t_feat
+        if ctl is not None:
+            ctl.update(depths, props, secs, emitted, len(tree.tokens), t_verify)
         return emitted
 
 
@@ -230,11 +291,13 @@ class _Stats:
         self.proposed = {d.name: 0 for d in drafters}
         self.accepted = {d.name: 0 for d in drafters}
         self.steps = 0
+        self.tree_steps = 0             # steps that verified a draft (the rest: a decode step)
         self.tree_nodes = 0
         self.accepted_nodes = 0
 
     def record(self, tree: TokenTree, path: list[int]) -> None:
         self.steps += 1
+        self.tree_steps += len(tree.tokens) > 1
         self.tree_nodes += len(tree.tokens) - 1
         self.accepted_nodes += len(path) - 1
         for u in range(1, len(tree.tokens)):
@@ -254,6 +317,7 @@ class _Stats:
             "kv_peak_bytes": pool.peak_bytes,
             "kv_blocks_leaked": pool.used_blocks,
             "spec_steps": self.steps,
+            "tree_steps": self.tree_steps,
             "draft_tokens_proposed": self.tree_nodes,
             "draft_tokens_accepted": self.accepted_nodes,
             "acceptance_rate": self.accepted_nodes / self.tree_nodes if self.tree_nodes else 0.0,

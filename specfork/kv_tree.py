@@ -26,6 +26,9 @@ def blocks_for(tokens: int, block_size: int, forks: int = 0, fork_tokens: int = 
     return -(-tokens // block_size) + forks * (1 + -(-fork_tokens // block_size))
 
 
+SORTED_ALLOC = 64                  # allocations this large take the lowest free ids, ascending
+
+
 class BlockPool:
     """Per-layer K/V storage `[layers, num_blocks, block_size, kv_heads, head_dim]` + refcounts."""
 
@@ -54,6 +57,8 @@ class BlockPool:
         if n > len(self.free):
             raise PoolExhausted(f"KV pool exhausted: need {n} blocks, {len(self.free)} free "
                                 f"of {self.num_blocks}")
+        if n >= SORTED_ALLOC:          # a prompt: the lowest free ids in order, so its slots are
+            self.free.sort(reverse=True)   # one run the attention reads in place, not gathered
         out = [self.free.pop() for _ in range(n)]
         for b in out:
             self.refcount[b] = 1

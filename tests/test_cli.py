@@ -54,6 +54,7 @@ def converted():
     (["--prompt", "hi", "--drafts", "2", "--drafter", "bogus"], "unknown drafter 'bogus'"),
     (["--prompt", "hi", "--drafts", "2", "--min-conf", "1.5"], "min_conf must be in [0, 1]"),
     (["--prompt", "hi", "--drafts", "2", "--draft-vocab", "-1"], "draft_vocab must be an integer >= 0"),
+    (["--prompt", "hi", "--no-adaptive"], "--no-adaptive applies only with --drafts N"),
 ])
 def test_bad_input_one_line_error(converted, args, needle):
     p, dt = run("generate", *args)
@@ -88,6 +89,15 @@ def test_json_output_schema():
     assert s["new_tokens"] == len(out["token_ids"]) <= 12
     assert s["kv_blocks_leaked"] == 0 and s["kv_peak_bytes"] > 0
     assert "Paris" in out["text"]
+    # adaptive drafting by default: each drafter's depth per verify step (0: it did not draft)
+    ad = s["adaptive"]
+    assert set(ad["depth"]) == {"0:ngram", "1:trained"}
+    assert all(len(v) == s["spec_steps"] for v in ad["depth"].values())
+    assert 0 <= ad["off_steps"] <= s["spec_steps"]
+    p, _ = run("generate", "--prompt", "What is the capital of France?", "--max-new-tokens", "12",
+               "--json", "--drafts", "2", "--no-adaptive")
+    fixed = json.loads(p.stdout)
+    assert fixed["token_ids"] == out["token_ids"] and "adaptive" not in fixed["stats"]
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ def toks(paths):
 def test_exact_path():
     (p,) = propose([1, 2, 3, 4, 5, 9, 1, 2, 3])
     assert p.tokens == [4, 5, 9, 1, 2] and p.q is None and p.drafter == "ngram"
-    assert p.meta == {"ngram": 3, "pos": 3}
+    assert p.meta == {"ngram": 3, "pos": 3, "match": 3}
 
 
 def test_longest_match_first_then_shorter_fill():
@@ -31,16 +31,19 @@ def test_longest_match_first_then_shorter_fill():
 
 def test_distinct_paths_most_recent_first():
     ctx = [5, 1, 5, 2, 5, 3, 5, 2, 5]
-    assert toks(propose(ctx, 4, 1, max_ngram=1)) == [[2], [3], [1]]  # 5@7, 5@5, (5@3), 5@1
-    assert toks(propose(ctx, 2, 1, max_ngram=1)) == [[2], [3]]
+    one = {"max_ngram": 1, "max_match": 1}       # matches measured to 1 token: recency only
+    assert toks(propose(ctx, 4, 1, **one)) == [[2], [3], [1]]  # 5@7, 5@5, (5@3), 5@1
+    assert toks(propose(ctx, 2, 1, **one)) == [[2], [3]]
+    assert toks(propose(ctx, 4, 2, **one)) == [[2, 5], [3, 5], [1, 5]]
     assert toks(propose(ctx, 4, 1)) == [[3], [2], [1]]  # (5,2,5)@5 was followed by 3
-    assert toks(propose(ctx, 4, 2, max_ngram=1)) == [[2, 5], [3, 5], [1, 5]]
+    # indexed to 1-grams, but 5@5's match reaches back 3 tokens (5, 2, 5): it still leads
+    assert toks(propose(ctx, 4, 1, max_ngram=1)) == [[3], [2], [1]]
 
 
 def test_extension_replaces_cut_short_match():
     # the latest (2,3,1,2) is followed only by [3,1,2] before the context ends; (1,2)@2 goes on
     (p,) = propose([1, 2, 3, 1, 2, 3, 1, 2], 2, 5)
-    assert p.tokens == [3, 1, 2, 3, 1] and p.meta == {"ngram": 2, "pos": 2}
+    assert p.tokens == [3, 1, 2, 3, 1] and p.meta == {"ngram": 2, "pos": 2, "match": 2}
 
 
 def test_max_len():
@@ -76,12 +79,30 @@ def test_incremental_observe_and_rebuild():
     assert d.propose([8, 9], 2, 4, SP) == []
 
 
-def _latest_longest(ctx, max_ngram, min_ngram):
+def test_sites_ranked_by_how_far_the_match_reaches_back():
+    # the suffix (7, 1, 2, 3, 4) recurs once, long ago (-> 5); the 4-gram (1, 2, 3, 4) also
+    # recurs more recently after other tokens (-> 6): the longer match leads
+    ctx = [7, 1, 2, 3, 4, 5, 0, 8, 1, 2, 3, 4, 6, 0, 7, 1, 2, 3, 4]
+    ps = propose(ctx, 2, 1)
+    assert toks(ps) == [[5], [6]]
+    assert [p.meta["match"] for p in ps] == [5, 4]
+    assert toks(propose(ctx, 2, 1, max_match=4)) == [[6], [5]]   # reach capped: recency
+
+
+def _reach(ctx, e, n, cap):
+    m = n
+    while m < cap and m < e and ctx[e - 1 - m] == ctx[len(ctx) - 1 - m]:
+        m += 1
+    return m
+
+
+def _best_site(ctx, max_ngram, min_ngram, cap=32):
+    """The longest n-gram's site whose match reaches furthest back, most recent among equals."""
     L = len(ctx)
     for n in range(min(max_ngram, L), min_ngram - 1, -1):
-        for e in range(L - 1, n - 1, -1):
-            if ctx[e - n:e] == ctx[L - n:]:
-                return e
+        sites = [e for e in range(L - 1, n - 1, -1) if ctx[e - n:e] == ctx[L - n:]][:64]
+        if sites:
+            return max(sites, key=lambda e: (_reach(ctx, e, n, max(cap, max_ngram)), e))
     return None
 
 
@@ -105,9 +126,9 @@ def test_paths_follow_suffix_occurrences(ctx, split, num_paths, max_len, ngrams)
     for a in paths:
         for b in paths:
             assert a is b or a.tokens[:len(b.tokens)] != b.tokens
-    e = _latest_longest(ctx, max_ngram, min_ngram)
+    e = _best_site(ctx, max_ngram, min_ngram)
     assert (e is None) == (paths == [])
-    if paths:  # the latest longest match leads, possibly extended by an older site
+    if paths:  # the best-reaching longest match leads, possibly extended by another site
         assert paths[0].tokens[:min(max_len, L - e)] == ctx[e:e + max_len]
     fresh = NgramDrafter(max_ngram, min_ngram).propose(ctx, num_paths, max_len, SP)
     assert [(p.tokens, p.meta) for p in fresh] == [(p.tokens, p.meta) for p in paths]

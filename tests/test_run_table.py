@@ -54,7 +54,7 @@ def test_run_table_tiny(tmp_path):
     for r in rows:
         assert r["error"] is None, r
         assert isinstance(r["strategy"], str) and r["strategy"]
-        for k in ("branches", "kv_mem_vs_sequential", "tokens_per_s", "speedup_vs_hf_greedy",
+        for k in ("kv_mem_vs_sequential", "tokens_per_s", "speedup_vs_hf_greedy",
                   "mean_accepted", "total_peak_bytes"):
             assert isinstance(r[k], (int, float)) and r[k] > 0, (r["key"], k)
         assert r["prompts"] == 1
@@ -62,6 +62,9 @@ def test_run_table_tiny(tmp_path):
     assert by["seq"]["kv_mem_vs_sequential"] == 1.0
     assert by["hf_greedy"]["speedup_vs_hf_greedy"] == 1.0
     assert [by[k]["branches"] for k in ("seq", "beam_fork", "hf_beam", "multi")] == [1, 4, 4, 3]
+    assert by["eagle"]["branches"] == "tree of 8"
+    assert by["eagle_ngram"]["branches"] == "3 + tree of 8"
+    assert res["config"]["adaptive_drafting"] is True
     # the exactness checks ran: greedy rows against HF greedy, beam rows against HF beam
     for k in ("seq", "spec1", "hf_assisted", "hf_assisted_k", "hf_lookup", "multi", "eagle",
               "eagle_ngram"):

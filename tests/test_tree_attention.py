@@ -254,14 +254,15 @@ def test_engine_verifies_through_the_paged_kernel(monkeypatch, bs):
                        eos_token_ids=[], max_kv_tokens=96, block_size=bs)
     out = spec.generate(prompt, max_new_tokens=16)
     assert out.token_ids == ref
-    assert len(calls) == 2 * out.stats["spec_steps"] > 0       # every layer of every verify
+    assert len(calls) == 2 * out.stats["tree_steps"] > 0       # every layer of every verify
     assert out.stats["kv_blocks_leaked"] == 0
 
 
 def test_gpu_prefill_paths_match_cpu(monkeypatch):
     """Prefill as it runs on GPU, forced here on CPU: over an empty prefix fused causal SDPA
-    (no T x T mask), over a prefix the Triton kernel with a causal tree mask. Logits and the
-    K/V written equal the CPU paths' (flash cascade, two bmm's) within fp32 tolerance."""
+    (no T x T mask; the CPU's choice too), over a prefix the Triton kernel with a causal tree
+    mask. Logits and the K/V written equal the flash cascade's and the two bmm's within fp32
+    tolerance."""
     from specfork.attention import AttnMeta
     from specfork.kv_tree import KVTree
     model = _tiny_model()
@@ -279,7 +280,13 @@ def test_gpu_prefill_paths_match_cpu(monkeypatch):
         k = pool.k.flatten(1, 2)[:, kv.slots(b)]
         return (first.path, second.path), torch.cat(out), k
 
-    cpu_paths, cpu_logits, cpu_k = prefill_twice()
+    import specfork.attention as sa
+    assert prefill_twice()[0] == ("causal", "masked")        # the CPU's own choice
+    pick = sa.pick_path
+    with monkeypatch.context() as mp:                        # the reference: the flash cascade
+        mp.setattr(sa, "pick_path", lambda T, L, **kw: sa.CASCADE if kw["causal"] and L == 0
+                   else pick(T, L, **kw))
+        cpu_paths, cpu_logits, cpu_k = prefill_twice()
     calls = []
     _as_on_gpu(monkeypatch, calls)
     gpu_paths, gpu_logits, gpu_k = prefill_twice()
@@ -303,3 +310,65 @@ def test_causal_attention_matches_cascade(T, kvh, group):
     check(out, reference(q, empty, empty, k, v, chain, scale=0.125), torch.float32)
     torch.testing.assert_close(out, tree_attention_torch(q, empty, empty, k, v,
                                                          ancestor_mask(chain), 0.125))
+
+
+def test_prefix_run_read_in_place_equals_gathered(monkeypatch):
+    """CPU decode and cascade read the prefix's leading run of consecutive slots as a view of
+    the pool and gather only the rest: the same output as gathering it all, whether the rest
+    is empty or scattered, for one token and for trees past the two-bmm size."""
+    import specfork.attention as sa
+    from specfork.attention import AttnMeta, leading_run
+    assert leading_run(torch.tensor([4, 5, 6, 9, 10])) == 3
+    assert leading_run(torch.tensor([7])) == 1 and leading_run(torch.tensor([3, 2])) == 1
+    model = _tiny_model()
+    KVH, D = model.kv_heads, model.head_dim
+    g = torch.Generator().manual_seed(1)
+    kf, vf = torch.randn(700, KVH, D, generator=g), torch.randn(700, KVH, D, generator=g)
+    for L, T, scattered in ((300, 1, 0), (300, 1, 20), (500, 13, 0), (500, 13, 7), (450, 40, 30)):
+        prefix = torch.cat([torch.arange(10, 10 + L - scattered),
+                            torch.randperm(50, generator=g)[:scattered] + 520])
+        write = torch.arange(600, 600 + T)
+        q = torch.randn(T, model.num_heads, D, generator=g)
+        k, v = torch.randn(T, KVH, D, generator=g), torch.randn(T, KVH, D, generator=g)
+        kf[write], vf[write] = k, v
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+
+        def meta():
+            return (AttnMeta.prefill(model, prefix, write) if T == 1
+                    else AttnMeta.tree(model, prefix, mask, write, torch.arange(T)))
+        m = meta()
+        assert m.run == (10, L - scattered) and m.read.numel() == scattered + (T == 1)
+        out = m.attend(q, k, v, kf, vf, D ** -0.5)
+        monkeypatch.setattr(sa, "RUN_MIN", 10 ** 9)
+        ref = meta()
+        assert ref.run is None
+        torch.testing.assert_close(out, ref.attend(q, k, v, kf, vf, D ** -0.5),
+                                   atol=1e-5, rtol=1e-5)
+        monkeypatch.setattr(sa, "RUN_MIN", 64)
+
+
+def test_long_prompt_decodes_from_its_run_exactly(monkeypatch):
+    """A 100-token prompt lands in one run of slots (the pool hands large allocations out in
+    order, also after earlier requests freed theirs); plain and speculative decoding read it in
+    place and equal HF greedy, twice in a row."""
+    from specfork.attention import AttnMeta
+    from specfork.decoder import SpecDecoder
+    from specfork.drafters.ngram import NgramDrafter
+    model = _tiny_model()
+    prompt = ([5, 6, 7, 8, 9, 11, 3] * 15)[:100]
+    with torch.no_grad():
+        ref = model.hf.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20,
+                                do_sample=False, pad_token_id=0)[0, 100:].tolist()
+    runs = []
+    attend = AttnMeta.attend
+    monkeypatch.setattr(AttnMeta, "attend", lambda self, *a: runs.append((self.path, self.run))
+                        or attend(self, *a))
+    for dec in (SpecDecoder(model, None, eos_token_ids=[], max_kv_tokens=128),
+                SpecDecoder(model, None, [NgramDrafter()], num_paths=2, draft_len=3,
+                            eos_token_ids=[], max_kv_tokens=128)):
+        for _ in range(2):
+            runs.clear()
+            out = dec.generate(prompt, max_new_tokens=20)
+            assert out.token_ids == ref and out.stats["kv_blocks_leaked"] == 0
+            decode = [r for path, r in runs if path == "decode"]      # trees here: two bmm's
+            assert decode and all(r is not None and r[0] == 0 and r[1] >= 100 for r in decode)

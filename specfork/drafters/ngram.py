@@ -2,7 +2,10 @@
 
 Costs no model call, and wins where outputs copy the input (code edits, quoting, repetition).
 An index n-gram -> end positions grows with the context, so each step is a few dict lookups
-rather than a rescan of thousands of tokens.
+rather than a rescan of thousands of tokens. In a long document a short suffix occurs at many
+sites; the sites of the longest indexed n-gram are ranked by how far the match really reaches
+back (up to `max_match` tokens, as suffix-automaton drafters rank by match length), the most
+recent first among equals: the site that agrees with the most context continues it best.
 """
 from __future__ import annotations
 
@@ -15,10 +18,12 @@ from specfork.types import DraftPath, SamplingParams
 class NgramDrafter:
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_sites: int = 64):
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_sites: int = 64,
+                 max_match: int = 32):
         assert 1 <= min_ngram <= max_ngram
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.max_sites = max_sites  # match sites read per n-gram length, most recent first
+        self.max_match = max(max_match, max_ngram)   # how far back a match is measured
         self.end()
 
     def begin(self, prompt_ids: list[int]) -> None:
@@ -47,10 +52,11 @@ class NgramDrafter:
 
     def propose(self, context: list[int], num_paths: int, max_len: int,
                 sampling: SamplingParams) -> list[DraftPath]:
-        """Continuations after earlier occurrences of the suffix, longest suffix first and the
-        most recent site first within a length. A continuation that is a prefix of a chosen
-        path is dropped, and one that extends a chosen path replaces it (the most recent match
-        is often cut short by the end of the context), so paths never repeat each other."""
+        """Continuations after earlier occurrences of the suffix: longest n-gram first; within
+        it, the sites whose match reaches furthest back first, then the most recent. A
+        continuation that is a prefix of a chosen path is dropped, and one that extends a
+        chosen path replaces it (the most recent match is often cut short by the end of the
+        context), so paths never repeat each other."""
         self._sync(context)
         ctx, L = self._ctx, len(self._ctx)
         paths: list[DraftPath] = []
@@ -58,16 +64,28 @@ class NgramDrafter:
             return paths
         for n in range(min(self.max_ngram, L), self.min_ngram - 1, -1):
             sites = self._index.get(tuple(ctx[L - n:]), [])
-            for e in islice(reversed(sites), 1, self.max_sites + 1):  # skip e == L: the suffix
+            ranked = sorted(((self._reach(e, n), e) for e in
+                             islice(reversed(sites), 1, self.max_sites + 1)),   # not e == L
+                            key=lambda me: (-me[0], -me[1]))
+            for m, e in ranked:
                 cont = ctx[e:e + max_len]
                 for i, p in enumerate(paths):
                     if p.tokens[:len(cont)] == cont:
                         break
                     if cont[:len(p.tokens)] == p.tokens:
-                        paths[i] = DraftPath(cont, None, self.name, {"ngram": n, "pos": e})
+                        paths[i] = DraftPath(cont, None, self.name,
+                                             {"ngram": n, "pos": e, "match": m})
                         break
                 else:
-                    paths.append(DraftPath(cont, None, self.name, {"ngram": n, "pos": e}))
+                    paths.append(DraftPath(cont, None, self.name,
+                                           {"ngram": n, "pos": e, "match": m}))
                     if len(paths) == num_paths:
                         return paths
         return paths
+
+    def _reach(self, e: int, n: int) -> int:
+        """Tokens before site `e` that equal the context's last ones (>= n: the n-gram)."""
+        ctx, L, m = self._ctx, len(self._ctx), n
+        while m < self.max_match and m < e and ctx[e - 1 - m] == ctx[L - 1 - m]:
+            m += 1
+        return m

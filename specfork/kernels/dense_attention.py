@@ -13,13 +13,23 @@ import torch.nn.functional as F
 from .tree_attention import _group_rows, _ungroup_rows
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """One query `[1, H, D]` over keys/values `[L, KVH, D]` -> `[1, H, D]`; the G query heads
-    of a kv head are rows of one bmm (GQA without repeating K/V)."""
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     k2: torch.Tensor | None = None, v2: torch.Tensor | None = None):
+    """One query `[1, H, D]` over keys/values `[L, KVH, D]` (and, if given, `k2`/`v2`
+    `[L2, KVH, D]` after them) -> `[1, H, D]`; the G query heads of a kv head are rows of one
+    bmm (GQA without repeating K/V). Two segments let the long one be a view of the pool (one
+    run of slots) and only the short rest be gathered."""
     KVH, D = k.shape[1:]
-    s = torch.bmm(_group_rows(q, KVH), k.permute(1, 2, 0)).mul_(scale)    # [KVH, G, L]
-    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
-    return torch.bmm(p, v.transpose(0, 1)).view(1, -1, D)
+    qg = _group_rows(q, KVH)
+    s = torch.bmm(qg, k.permute(1, 2, 0))                                # [KVH, G, L]
+    if k2 is not None:
+        s = torch.cat((s, torch.bmm(qg, k2.permute(1, 2, 0))), dim=-1)  # [KVH, G, L + L2]
+    p = torch.softmax(s.mul_(scale), dim=-1, dtype=torch.float32).to(v.dtype)
+    if k2 is None:
+        return torch.bmm(p, v.transpose(0, 1)).view(1, -1, D)
+    L = k.shape[0]
+    o = torch.bmm(p[..., :L], v.transpose(0, 1))
+    return o.baddbmm_(p[..., L:], v2.transpose(0, 1)).view(1, -1, D)
 
 
 def masked_attention(q, k_prefix, v_prefix, k_new, v_new, bias, scale):

@@ -88,17 +88,19 @@ def tree_attention_torch(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torc
     merged by log-sum-exp; 1.2-2.9x faster than one masked SDPA over [prefix | tree] for trees
     of 32+ tokens (results/tree_attention_cpu.json). `tree_mask=None`: every tree token sees
     every other. `tree_bias`: `tree_bias_of(tree_mask, q.dtype)`, when the caller built it once
-    for all layers."""
+    for all layers. The tree part's keys may be longer than its queries (`k_tree [S, KVH, D]`,
+    S >= T, `tree_bias [T, S]`): the caller puts prefix slots that lie outside the run it
+    passes as `k_prefix` (a view of the pool) in front of the tree's own."""
     L, kvh = k_prefix.shape[0], k_tree.shape[1]
     if q.device.type != "cpu" or _flash_cpu is None:
         return tree_attention_sdpa(q, k_prefix, v_prefix, k_tree, v_tree, tree_mask, scale)
     T, H, D = q.shape
-    G = H // kvh
-    # Tree part, layout [KVH, G, T, D]: K/V broadcast over G by stride 0, so the mask stays [T, T].
+    G, S = H // kvh, k_tree.shape[0]
+    # Tree part, layout [KVH, G, S, D]: K/V broadcast over G by stride 0, so the mask stays [T, S].
     q4 = q.reshape(T, kvh, G, D).permute(1, 2, 0, 3)
     bias = tree_bias if tree_bias is not None else tree_bias_of(tree_mask, q.dtype)
-    out, lse_t = _flash_cpu(q4, k_tree.permute(1, 0, 2)[:, None].expand(kvh, G, T, D),
-                            v_tree.permute(1, 0, 2)[:, None].expand(kvh, G, T, D),
+    out, lse_t = _flash_cpu(q4, k_tree.permute(1, 0, 2)[:, None].expand(kvh, G, S, D),
+                            v_tree.permute(1, 0, 2)[:, None].expand(kvh, G, S, D),
                             0.0, False, attn_mask=bias, scale=scale)
     if L > 0:                                                   # the op crashes on 0 keys
         # Prefix part, rows folded ([1, KVH, T*G, D]): each K/V tile serves all G heads.

@@ -1,0 +1,177 @@
+"""Adaptive drafting: each step, which drafters draft and how deep, chosen to maximise expected
+tokens per second from what this request has measured so far; speculation off when nothing pays.
+
+A plan gives each drafter a depth (0: it does not draft this step). Its value:
+
+    rate(plan) = (1 + kappa * E[accepted]) / (draft seconds + verify seconds(tree rows))
+
+- E[accepted] = sum over depths k of P(some drafter in the plan has its k-th token accepted),
+  taking drafters as independent, each one's chance the product of its per-depth acceptance
+  rates; `kappa` (measured over the request: accepted / predicted) corrects that guess.
+- Acceptance rates are decayed counts (`decay` per step), so they follow the text: a copying
+  phase lifts n-gram lookup, free prose drops it.
+- Draft seconds are each drafter's measured propose + observe time; verify seconds come from the
+  `CostModel` (timed tree sizes plus the request's own offset). Tree rows are each drafter's
+  measured paths (or nodes) per depth times the depth.
+- The empty plan is plain decoding: one token for a one-row forward.
+
+Drafters that cost next to nothing (n-gram lookup: `cheap`) draft every step even when they are
+not verified, and are scored against the tokens the target emitted ("shadow" scoring), so they
+come back as soon as the text starts to repeat. A costly drafter left out of the plan for `probe`
+steps drafts (and is verified) on the next one, so its estimate cannot go stale for ever.
+"""
+from __future__ import annotations
+
+from itertools import combinations
+
+PRIOR = (1.0, 1.0)               # Beta prior of each depth's acceptance (accepted, rejected)
+DECAY = 0.9                      # weight of past observations per new one
+PROBE = 8                        # steps a costly drafter may stay out before it is tried again
+CHEAP = 0.02                     # drafting under this share of a plain step: always shadowed
+
+
+def matched(paths: list[list[int]], emitted: list[int]) -> tuple[int, int]:
+    """(longest common prefix of any path with the emitted tokens, longest path)."""
+    best = 0
+    for p in paths:
+        m = 0
+        for a, b in zip(p, emitted):
+            if a != b:
+                break
+            m += 1
+        best = max(best, m)
+    return best, max((len(p) for p in paths), default=0)
+
+
+class _Track:
+    """One drafter's measured behaviour within a request."""
+
+    def __init__(self, depth: int, tree: bool):
+        self.max_depth, self.tree = depth, tree
+        self.acc = [PRIOR[0]] * (depth + 1)       # index k: depth k (0 unused)
+        self.rej = [PRIOR[1]] * (depth + 1)
+        self.hit = 1.0                            # P(it proposes anything)
+        self.width = 1.0                          # rows per depth when it does (paths, nodes)
+        self.seconds = 0.0                        # propose + observe per step (path
+        #                                           drafters: per depth drafted)
+        self.timed = False
+        self.idle = 0                             # steps since it last drafted verified
+
+    def chance(self, depth: int) -> list[float]:
+        """P(its k-th token is accepted) for k = 1..depth."""
+        out, p = [], self.hit
+        for k in range(1, min(depth, self.max_depth) + 1):
+            p *= self.acc[k] / (self.acc[k] + self.rej[k])
+            out.append(p)
+        return out
+
+    def score(self, paths: list[list[int]], emitted: list[int]) -> None:
+        m, longest = matched(paths, emitted)
+        self.hit = DECAY * self.hit + (1 - DECAY) * (1.0 if paths else 0.0)
+        if not paths:
+            return
+        if not self.tree:
+            self.width = DECAY * self.width + (1 - DECAY) * len(paths)
+        for k in range(1, min(m + 1, longest, len(emitted), self.max_depth) + 1):
+            self.acc[k] = DECAY * self.acc[k] + (k <= m)
+            self.rej[k] = DECAY * self.rej[k] + (k > m)
+
+    def cost(self, depth: int) -> float:
+        """Seconds a step at `depth` costs it (a model drafter runs one forward per depth)."""
+        return self.seconds if self.tree else self.seconds * depth
+
+    def time(self, seconds: float, paths: list[list[int]]) -> None:
+        if not self.tree:
+            seconds /= max([1] + [len(p) for p in paths])
+        self.seconds = seconds if not self.timed else DECAY * self.seconds + (1 - DECAY) * seconds
+        self.timed = True
+
+
+class DraftController:
+    """Per-request plans for `drafters` (path drafters up to `draft_len` deep; tree drafters,
+    with `tree_tokens` and `depth`, on or off) under `cost` (a `CostModel`)."""
+
+    def __init__(self, drafters: list, draft_len: int, cost, probe: int = PROBE):
+        self.drafters, self.draft_len, self.cost, self.probe = drafters, draft_len, cost, probe
+        self.begin()
+
+    def begin(self) -> None:
+        self.tracks = [_Track(getattr(d, "depth", self.draft_len) if self._tree(d)
+                              else self.draft_len, self._tree(d)) for d in self.drafters]
+        for d, t in zip(self.drafters, self.tracks):
+            if t.tree:
+                t.width = d.tree_tokens / max(1, d.depth)
+        self.kappa = 1.0
+        self.predicted = 0.0                      # the chosen plan's E[accepted]
+        self.cost.reset()
+        self.trace: list[list[int]] = []          # per step, each drafter's depth (0: off)
+        self.off_steps = self.probe_steps = 0
+
+    @staticmethod
+    def _tree(d) -> bool:
+        return bool(getattr(d, "tree_tokens", 0))
+
+    def cheap(self, i: int) -> bool:
+        t = self.tracks[i]
+        return t.timed and t.cost(self.draft_len) < CHEAP * self.cost.seconds(1)
+
+    def _value(self, depths: list[int]) -> tuple[float, float, float]:
+        """(tokens per second, expected accepted, rows) of a plan (depth per drafter)."""
+        none_left = [1.0] * (self.draft_len + max((t.max_depth for t in self.tracks), default=0))
+        rows, secs = 1.0, 0.0
+        for i, (t, k) in enumerate(zip(self.tracks, depths)):
+            if k:
+                for j, p in enumerate(t.chance(k)):
+                    none_left[j] *= 1 - p
+                rows += t.hit * t.width * min(k, t.max_depth)
+                secs += t.cost(k)
+            elif self.cheap(i):
+                secs += t.cost(self.draft_len)    # shadowed: it drafts anyway
+        expected = sum(1 - x for x in none_left)
+        return (1 + self.kappa * expected) / (secs + self.cost.seconds(rows)), expected, rows
+
+    def plan(self) -> list[int]:
+        """This step's depth per drafter (0: not verified this step)."""
+        n = len(self.drafters)
+        forced = [i for i, t in enumerate(self.tracks)
+                  if not self.cheap(i) and t.idle >= self.probe]
+        best, best_depths, best_e = -1.0, [0] * n, 0.0
+        for r in range(0, n + 1):
+            for chosen in combinations(range(n), r):
+                if any(i not in chosen for i in forced):
+                    continue
+                for k in range(1, self.draft_len + 1) if chosen else [0]:
+                    depths = [(self.tracks[i].max_depth if self.tracks[i].tree else k)
+                              if i in chosen else 0 for i in range(n)]
+                    v, e, _ = self._value(depths)
+                    if v > best:
+                        best, best_depths, best_e = v, depths, e
+                    if all(self.tracks[i].tree for i in chosen):
+                        break                     # the depth loop changes nothing
+        self.predicted = best_e
+        if forced:
+            self.probe_steps += 1
+        if not any(best_depths):
+            self.off_steps += 1
+        self.trace.append(best_depths)
+        return best_depths
+
+    def update(self, depths: list[int], proposals: list[list[list[int]] | None],
+               seconds: list[float], emitted: list[int], rows: int, verify_s: float) -> None:
+        """After a step: each drafter's paths (None: it did not draft), its seconds, the emitted
+        tokens (accepted + the target's next), the tree's rows and the verify step's seconds."""
+        for t, k, paths, s in zip(self.tracks, depths, proposals, seconds):
+            t.idle = 0 if k else t.idle + 1
+            if paths is not None:
+                t.score(paths, emitted)
+                t.time(s, paths)
+        self.cost.observe(rows, verify_s)
+        if any(depths) and self.predicted > 0:
+            ratio = (len(emitted) - 1) / self.predicted
+            self.kappa = min(1.5, max(0.5, DECAY * self.kappa + (1 - DECAY) * ratio))
+
+    def stats(self, names: list[str]) -> dict:
+        return {"off_steps": self.off_steps, "probe_steps": self.probe_steps,
+                "kappa": round(self.kappa, 3),
+                "depth": {f"{i}:{nm}": [row[i] for row in self.trace]
+                          for i, nm in enumerate(names)}}

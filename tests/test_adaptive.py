@@ -1,0 +1,165 @@
+"""Adaptive drafting: the controller turns speculation off where it cannot pay, keeps it where
+it does, brings a cheap drafter back when its shadow score recovers and probes a costly one;
+output stays exactly HF greedy either way; the cost model is timed and interpolated."""
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from specfork import cost_model
+from specfork.adaptive import DraftController, matched
+from specfork.cost_model import CostModel
+from specfork.decoder import SpecDecoder
+from specfork.drafters.ngram import NgramDrafter
+from specfork.kv_tree import KVTree
+from specfork.model import Model
+from specfork.types import DraftPath
+
+V = 64
+
+
+def _tiny():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+class Scripted:
+    """A path drafter that proposes `script(context)` (one path) and sleeps nothing."""
+
+    def __init__(self, name, script):
+        self.name, self.script = name, script
+
+    def begin(self, prompt_ids):
+        pass
+
+    def observe(self, context):
+        pass
+
+    def end(self):
+        pass
+
+    def propose(self, context, num_paths, max_len, sampling):
+        toks = self.script(context)[:max_len]
+        return [DraftPath(toks, None, self.name)] if toks and num_paths else []
+
+
+def _cost(per_row=0.1):
+    """A plain step costs 1.0 s; each extra tree row `per_row` more."""
+    return CostModel({n: 1.0 + per_row * (n - 1) for n in (1, 2, 4, 8, 16, 32, 64)})
+
+
+def _fixed():
+    """A verify tree costs a lot more than one row (drafting must earn it), whatever this
+    busy or idle machine measures (no online offset)."""
+    return CostModel({n: 1e-3 * (1 + 0.2 * (n - 1)) for n in cost_model.SIZES}, rate=0.0)
+
+
+def _run(ctl, truth, step_guess, steps, seconds=0.0):
+    """Drive the controller as the decoder does: plan, every drafter with a depth (or shadowed)
+    proposes `step_guess(i, k)`, the target emits `truth` tokens."""
+    for _ in range(steps):
+        depths = ctl.plan()
+        props, secs = [], []
+        for i, k in enumerate(depths):
+            if k or ctl.cheap(i):
+                props.append([step_guess(i, ctl.draft_len)])
+                secs.append(seconds)
+            else:
+                props.append(None)
+                secs.append(0.0)
+        emitted = truth(depths, props)
+        ctl.update(depths, props, secs, emitted, 1 + sum(depths), 1.0 + 0.1 * sum(depths))
+    return ctl
+
+
+def test_matched_is_the_longest_common_prefix():
+    assert matched([[1, 2, 3], [1, 2, 4, 5]], [1, 2, 4, 9]) == (3, 4)
+    assert matched([], [1]) == (0, 0)
+    assert matched([[7]], [1, 2]) == (0, 1)
+
+
+def test_cost_model_interpolates_and_follows_measured_steps():
+    c = _cost()
+    assert c.seconds(1) == 1.0 and abs(c.seconds(3) - 1.2) < 1e-9
+    assert abs(c.seconds(96) - (1.0 + 0.1 * 95)) < 1e-9         # the last slope beyond
+    for _ in range(50):
+        c.observe(4, 1.8)                                        # this request: +0.5 s a step
+    assert abs(c.seconds(4) - 1.8) < 1e-3 and abs(c.seconds(1) - 1.5) < 1e-3
+    c.reset()
+    assert c.seconds(1) == 1.0
+
+
+def test_wrong_drafter_is_switched_off_and_probed():
+    ctl = DraftController([Scripted("bad", None)], draft_len=4, cost=_cost(), probe=8)
+    # the drafter costs 0.3 plain steps per call: never cheap, so it is probed, not shadowed
+    _run(ctl, lambda d, p: [9, 9, 9], lambda i, k: [1] * k, steps=80, seconds=0.3)
+    on = [row[0] for row in ctl.trace]
+    assert sum(1 for x in on[20:] if x == 0) >= 0.8 * len(on[20:])   # off, but for probes
+    assert ctl.probe_steps >= 5 and any(on[40:])                      # probed again and again
+    assert ctl.off_steps >= 0.8 * 60
+
+
+def test_right_drafter_stays_on_at_full_depth():
+    ctl = DraftController([Scripted("good", None)], draft_len=4, cost=_cost(), probe=8)
+    _run(ctl, lambda d, p: [5] * (d[0] + 1), lambda i, k: [5] * k, steps=40, seconds=0.01)
+    assert ctl.off_steps == 0 and all(row[0] == 4 for row in ctl.trace[5:])
+
+
+def test_cheap_drafter_comes_back_when_its_shadow_score_recovers():
+    ctl = DraftController([Scripted("ngram", None)], draft_len=4, cost=_cost(), probe=10 ** 6)
+    _run(ctl, lambda d, p: [9, 9], lambda i, k: [1] * k, steps=40)      # wrong: off
+    assert ctl.trace[-1] == [0]
+    # the text starts to repeat: its shadow proposals match what the target emits
+    _run(ctl, lambda d, p: [1] * (d[0] + 1), lambda i, k: [1] * k, steps=30)
+    assert ctl.trace[-1][0] > 0 and ctl.probe_steps == 0
+
+
+def test_costly_drafter_is_cut_to_the_depth_that_pays():
+    # first token always right, later ones never: depth 1 beats 4 (3 rows that never pay)
+    ctl = DraftController([Scripted("m", None)], draft_len=4, cost=_cost(0.3), probe=8)
+    _run(ctl, lambda d, p: [5, 6], lambda i, k: [5] + [7] * (k - 1), steps=40, seconds=0.05)
+    assert all(row == [1] for row in ctl.trace[-10:])
+
+
+def _greedy_ref(hf, prompt, n):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_adaptive_decoder_stays_exact_and_switches_a_useless_drafter_off():
+    hf = _tiny()
+    model = Model(hf)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    ref = _greedy_ref(hf, prompt, 48)
+    bad = Scripted("bad", lambda ctx: [(ctx[-1] + 7) % V, 0, 0])
+    dec = SpecDecoder(model, None, [bad], num_paths=1, draft_len=3, eos_token_ids=[],
+                      adaptive=True, max_kv_tokens=128)
+    dec.controller.cost = _fixed()
+    r = dec.generate(prompt, max_new_tokens=48)
+    assert r.token_ids == ref
+    ad = r.stats["adaptive"]
+    assert ad["off_steps"] >= 0.6 * r.stats["spec_steps"]
+    assert r.stats["kv_blocks_leaked"] == 0
+    # an oracle that knows the greedy output: speculation stays on, tau well above 1
+    truth = prompt + ref
+
+    def oracle(ctx):
+        return truth[len(ctx):len(ctx) + 3]
+
+    dec = SpecDecoder(model, None, [Scripted("oracle", oracle), NgramDrafter()], num_paths=2,
+                      draft_len=3, eos_token_ids=[], adaptive=True, max_kv_tokens=128)
+    dec.controller.cost = _fixed()
+    r = dec.generate(prompt, max_new_tokens=48)
+    assert r.token_ids == ref
+    assert r.stats["adaptive"]["off_steps"] == 0 and r.stats["mean_accepted"] > 3.0
+    assert len(r.stats["adaptive"]["depth"]["0:oracle"]) == r.stats["spec_steps"]
+
+
+def test_calibration_times_every_size_and_frees_its_blocks():
+    model = Model(_tiny())
+    kv = KVTree(model.make_pool(num_blocks=64, block_size=16))
+    table = cost_model.calibrate(model, kv, max_rows=16, reps=1)
+    assert sorted(table) == [1, 2, 4, 8, 12, 16] and all(t > 0 for t in table.values())
+    assert kv.pool.used_blocks == 0
