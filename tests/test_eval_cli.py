@@ -2,6 +2,7 @@
 checked before any model loads; what they write names its command and machine."""
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,10 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
     ("train_draft", ["train", "--data", "/no/such/data.pt"], "No such file"),
     ("run_table", ["--beams", "0"], "--beams must be positive"),
     ("bench_tree_attention", ["--trees", "1"], "--trees must be >= 2"),
+    ("bench_long", ["--per-bucket", "0"], "must be positive"),
+    ("bench_long", ["--buckets", "<=256,huge"], "--buckets: unknown ['huge']"),
+    ("bench_prefill", ["--lengths", "100,x"], "--lengths: not a list of integers"),
+    ("bench_prefill", ["--steps", "0"], "must be positive"),
 ])
 def test_bad_input_is_one_line(script, args, needle):
     p = subprocess.run([sys.executable, str(ROOT / "eval" / f"{script}.py"), *args],
@@ -59,3 +64,41 @@ def test_result_file_names_its_command(tmp_path):
     assert [(r["tree_size"], r["prefix_len"], r["engine_path"]) for r in res["results"]] == \
         [(2, 16, "masked"), (4, 16, "masked")]
     assert all(r["max_abs_diff"] < 1e-4 for r in res["results"])
+
+
+@pytest.mark.slow
+def test_bench_long_end_to_end(tmp_path):
+    """bench_long on one short document prompt: ours equal HF greedy, nothing leaks, the files
+    name their command, and the adaptive run records a depth per step."""
+    stem = tmp_path / "long"
+    args = ["--buckets", "<=256", "--per-bucket", "1", "--max-new-tokens", "12",
+            "--out", str(stem)]
+    p = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_long.py"), *args],
+                       capture_output=True, text=True, timeout=600, env=ENV)
+    assert p.returncode == 0, p.stderr
+    res = json.loads(stem.with_suffix(".json").read_text())
+    assert res["command"] == "python eval/bench_long.py " + shlex.join(args)
+    assert res["all_exact"] and res["leaked_blocks"] == 0
+    (row,) = res["prompts"]
+    assert row["bucket"] == "<=256" and row["prompt_tokens"] <= 256
+    assert all(len(v) == row["spec"]["steps"] for v in row["spec"]["depth"].values())
+    assert stem.with_suffix(".png").is_file() and "| <=256 |" in stem.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_bench_prefill_end_to_end(tmp_path):
+    """bench_prefill at two short lengths: every path of ours gives HF's tokens, and each row
+    has a prefill time and a decode step per path."""
+    out = tmp_path / "prefill.json"
+    args = ["--lengths", "40,90", "--steps", "3", "--reps", "1", "--json", str(out)]
+    p = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_prefill.py"), *args],
+                       capture_output=True, text=True, timeout=600, env=ENV)
+    assert p.returncode == 0, p.stderr
+    res = json.loads(out.read_text())
+    assert res["command"] == "python eval/bench_prefill.py " + " ".join(args)
+    assert res["all_equal_hf"] is True
+    assert [r["prompt_tokens"] for r in res["rows"]] == [40, 90]
+    for r in res["rows"]:
+        assert set(r["prefill_s"]) == {"hf", "causal_sdpa", "cascade"}
+        assert set(r["decode_step_ms"]) == {"hf", "run_view", "gathered"}
+        assert all(v > 0 for v in (*r["prefill_s"].values(), *r["decode_step_ms"].values()))
