@@ -7,11 +7,12 @@
 
 The shipped head (weights/eagle/train_info.json holds the exact command and what it measured):
 
-    python eval/train_eagle.py all --threads 2 --gen-minutes 25 --train-minutes 38
+    python eval/train_eagle.py all --threads 2 --gen-minutes 25 --train-minutes 55 \
+        --train-dtype bfloat16 --epochs 12
 
 Prompts are train_draft.py's (templated chat, standard-library code stubs, docstring passages;
-MT-bench and HumanEval excluded); the target answers them with HF `generate` (float32: this CPU
-has no bf16 GEMMs) and a hook keeps the residual stream entering layers 2, 15 and 27 at every
+MT-bench and HumanEval excluded); the target answers them with HF `generate` (float32: the
+answers must be the fp32 target's own) and a hook keeps the residual stream entering layers 2, 15 and 27 at every
 position, the same tensors `Model.forward(capture=...)` hands the engine's drafter (equal to
 1e-5, tests/test_eagle.py). Recording them in the generation pass saves a second prefill, which
 on this 2-core CPU runs no faster than batched generation.
@@ -267,8 +268,9 @@ def train(args) -> None:
         if not epoch_batches:
             epoch_batches = batches(tr, args.batch_tokens, rng)
         mb = epoch_batches.pop()
-        loss, stats = head_loss(head, make_batch(mb, args.unroll, t2d_index), embed, cos, sin,
-                                args.unroll, args.negatives, neg_gen)
+        with torch.autocast("cpu", torch.bfloat16, enabled=args.train_dtype == "bfloat16"):
+            loss, stats = head_loss(head, make_batch(mb, args.unroll, t2d_index), embed, cos,
+                                    sin, args.unroll, args.negatives, neg_gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -276,9 +278,12 @@ def train(args) -> None:
         sched.step()
         step += 1
         el = done + time.perf_counter() - t0
-        if not fitted and step == 10:             # fit the schedule to the time budget
-            per = (time.perf_counter() - t0) / 10
-            total = max(step + 1, min(total, int(args.train_minutes * 60 / per)))
+        if not fitted and step == 5:
+            t5 = time.perf_counter()
+        if not fitted and step == 20:             # fit the schedule to the time budget
+            per = (time.perf_counter() - t5) / 15   # steps 6-20: past the first slow ones
+            left = args.train_minutes * 60 - (time.perf_counter() - t0)
+            total = max(step + 1, min(total, step + int(left / per)))
             sched = get_cosine_schedule_with_warmup(opt, min(50, total // 20), total)
             for _ in range(step):
                 sched.step()
@@ -370,6 +375,9 @@ def main(argv=None) -> None:
                    "and the --train-minutes fit)")
     t.add_argument("--train-minutes", dest="train_minutes", type=float, default=math.inf)
     t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--train-dtype", dest="train_dtype", choices=["bfloat16", "float32"],
+                   default="float32", help="bfloat16: autocast (fp32 master weights); worth it "
+                   "where the CPU has bf16 matrix units (AMX)")
     t.add_argument("--negatives", type=int, default=1024, help="random draft rows in the "
                    "training softmax beside the labels' (0: the whole draft vocabulary)")
     t.add_argument("--batch-tokens", dest="batch_tokens", type=int, default=4096)
