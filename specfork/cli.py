@@ -54,6 +54,9 @@ def _args(argv):
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--beams", type=int, default=0, help="beam search width (CoW fork search)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    g.add_argument("--weights", default="auto", help="the target's weight format: auto, "
+                   "float32, bfloat16, int8 (per channel) or int4 (groups of 32), weight-only "
+                   "(CPU; auto: float32)")
     g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     g.add_argument("--raw", action="store_true", help="no chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
@@ -77,6 +80,7 @@ def generate(a) -> int:
     from specfork.engine import check_prompt
     from specfork.errors import SpecforkError
     from specfork.loader import check_device
+    from specfork.weights import check_weights
     from specfork.sampling import check_sampling
     drafting = {"--drafter": a.drafter, "--draft-len": a.draft_len, "--min-conf": a.min_conf,
                 "--draft-vocab": a.draft_vocab, "--tree-topk": a.tree_topk,
@@ -102,6 +106,7 @@ def generate(a) -> int:
     tree = eagle.tree_shape(a.tree_topk, a.tree_depth, a.draft_tokens)
     check_drafting(a.drafts, draft_len, a.drafter, a.target, a.min_conf, a.draft_vocab, tree)
     check_device(a.device)
+    check_weights(a.weights, a.device)
     check_sampling(a.max_new_tokens, a.temperature, a.top_p, a.top_k, a.seed)
     prompt = _prompt(a)
     check_prompt(prompt)
@@ -110,7 +115,8 @@ def generate(a) -> int:
                                       draft_len=draft_len, dtype=dtype, device=a.device,
                                       min_conf=a.min_conf, draft_vocab=a.draft_vocab,
                                       tree_topk=tree[0], tree_depth=tree[1],
-                                      draft_tokens=tree[2], adaptive=a.adaptive)
+                                      draft_tokens=tree[2], adaptive=a.adaptive,
+                                      weights=a.weights)
     tok = dec.tokenizer
     if a.beams:
         from specfork.search import beam_search

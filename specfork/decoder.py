@@ -21,6 +21,7 @@ from specfork.token_tree import TokenTree
 from specfork.types import DraftPath, GenerateOutput, SamplingParams
 from specfork.verifiers.greedy import verify_greedy
 from specfork.verifiers.sampling import verify_sampling
+from specfork.weights import check_weights
 
 
 class SpecDecoder:
@@ -78,17 +79,19 @@ class SpecDecoder:
                         min_conf: float | None = None, draft_vocab: int | None = None,
                         tree_topk: int | None = None, tree_depth: int | None = None,
                         draft_tokens: int | None = None, adaptive: bool = True,
-                        **kw) -> "SpecDecoder":
+                        weights: str = "auto", **kw) -> "SpecDecoder":
         """`tree_topk`, `tree_depth`, `draft_tokens`: the EAGLE draft tree's shape (None: the
-        tuned defaults). `adaptive` (on by default here): see `SpecDecoder`."""
+        tuned defaults). `adaptive` (on by default here): see `SpecDecoder`. `weights`: the
+        target's weight format (`specfork/weights.py`: auto, float32, bfloat16, int8, int4)."""
         from specfork.drafters import eagle
         from specfork.drafters.registry import make_drafters
         from specfork.loader import check_device, load_hf
         tree = eagle.tree_shape(tree_topk, tree_depth, draft_tokens)
         check_drafting(drafts, draft_len, drafter, target, min_conf, draft_vocab, tree)
-        check_device(device)                               # both before any weights load
+        check_device(device)                               # all before any weights load
+        check_weights(weights, device)
         hf, tok = load_hf(target, dtype=dtype, device=device)
-        model = Model(hf)
+        model = Model(hf, weights=weights)
         drafters = (make_drafters(drafter, target, model, drafts, min_conf, draft_vocab,
                                   draft_len=draft_len, tree=tree,
                                   max_kv_tokens=kw.get("max_kv_tokens"))

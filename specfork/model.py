@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from specfork.attention import AttnMeta
 from specfork.errors import SpecforkError
 from specfork.kv_tree import BlockPool
+from specfork.weights import HEAD_FORMAT, QuantLinear, resolve
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 
@@ -161,9 +162,10 @@ class Model:
     # a partial tail block per branch plus copy-on-write copies (SGLang's page size 1).
     block_size = 1
 
-    def __init__(self, hf, pack: bool | None = None):
+    def __init__(self, hf, pack: bool | None = None, weights: str = "float32"):
         """`pack`: keep oneDNN-packed copies of the weights for few-row matmuls (None: on CPU
-        in fp32, or bf16 where the CPU has bf16 GEMMs, when the copies take at most 4 GiB)."""
+        in fp32, or bf16 where the CPU has bf16 GEMMs, when the copies take at most 4 GiB).
+        `weights`: the matmuls' weight format (`specfork/weights.py`; float32: as loaded)."""
         cfg = hf.config
         if cfg.model_type not in SUPPORTED:
             raise UnsupportedModel(f"model type '{cfg.model_type}' is not supported "
@@ -186,6 +188,10 @@ class Model:
         self.rotary = body.rotary_emb
         self.dtype, self.device = self.embed.dtype, self.embed.device
 
+        self.weights = resolve(weights, self.device)
+        low = self.weights != "float32"
+        if low:
+            pack = False                           # the format's own copy replaces the packing
         if pack is None:
             pack = (self.device.type == "cpu" and torch.backends.mkldnn.is_available()
                     and (self.dtype == torch.float32 or self.dtype == torch.bfloat16
@@ -204,6 +210,12 @@ class Model:
                 ln2=blk.post_attention_layernorm.weight,
                 gate_up=Linear(_fuse([m.gate_proj, m.up_proj], "weight"), pack=pack),
                 down=Linear(m.down_proj.weight, pack=pack)))
+        if low:
+            self.lm_head = QuantLinear(self.lm_head.w, self.lm_head.b, HEAD_FORMAT[self.weights])
+            for ly in self.layers:
+                for f in ("qkv", "o", "gate_up", "down"):
+                    lin = getattr(ly, f)
+                    setattr(ly, f, QuantLinear(lin.w, lin.b, self.weights))
         # below this many rows F.linear is faster here; 1 when not packed (it is then unused)
         self.packed_min_rows = 1
         if pack:
@@ -213,7 +225,8 @@ class Model:
             for x in self.linears():
                 x.min_rows = self.packed_min_rows
 
-    def linears(self) -> list[Linear]:
+    def linears(self) -> list:
+        """Every matmul of the forward (`Linear`, or `QuantLinear` under a low-bit format)."""
         return [self.lm_head] + [getattr(ly, f) for ly in self.layers
                                  for f in ("qkv", "o", "gate_up", "down")]
 

@@ -1,0 +1,132 @@
+"""Weight formats for the target's matmuls: float32 (as loaded), bfloat16, int8 and int4.
+
+Weight-only: activations, norms, attention and the KV cache stay in the model's dtype (fp32 on
+a CPU); each matmul casts its input rows to bf16 (what torch's low-bit CPU kernels take: with
+fp32 activations they run 8-30x slower), multiplies, and casts the result back. A decode step
+reads the weights once, so bytes per weight is what sets its time:
+
+- bfloat16: 2 bytes. On a CPU with bf16 matrix units the oneDNN-packed product (AMX) also makes
+  a verify tree's extra rows nearly free.
+- int8: 1 byte; per output channel, w = q * s, s = absmax / 127 (`_weight_int8pack_mm`).
+- int4: 0.5 byte + a bf16 scale and offset per group of 32 inputs, w = (q - 8) * s + z with
+  q in 0..15 (`_weight_int4pack_mm_for_cpu`): the layout of GGUF's Q4_1 blocks (w = q * d + m,
+  blocks of 32), so such blocks map one to one, s = d and z = m + 8 d rounded to bf16 (the
+  embedded target's layers are Q4_1: int4 finds their grid again, off by that rounding).
+
+Scales (and offsets) are rounded to bf16 before the weights are quantized against them, so
+the kernel dequantizes exactly the values the rounding chose.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specfork.errors import SpecforkError
+
+FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
+GROUP = 32                     # int4: inputs per scale/offset group (GGUF Q4_0/Q4_1 blocks)
+# The output layer under each format: int4 keeps it at int8, as llama.cpp's 4-bit files do
+# (the embedded GGUF stores its tied embeddings/output as Q8_0 beside Q4_1 layers): one
+# vocabulary-wide matmul decides every token, and 4 bits there cost most of the agreement.
+HEAD_FORMAT = {"bfloat16": "bfloat16", "int8": "int8", "int4": "int8"}
+
+
+class QuantLinear:
+    """y = x @ w.T + b with `w` held in a low-bit format; x and y in the caller's dtype."""
+    __slots__ = ("fmt", "w", "s", "b", "packed", "out_features")
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, fmt: str):
+        if w.device.type != "cpu":
+            raise SpecforkError(f"--weights {fmt}: only on a CPU for now (use --dtype on GPU)")
+        self.fmt, self.b, self.out_features = fmt, b, w.shape[0]
+        self.s = self.packed = None
+        w = w.detach().float()
+        if fmt == "bfloat16":
+            self.w = w.bfloat16()
+            if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.w, 8)
+        elif fmt == "int8":
+            self.w, self.s = quantize_int8(w)
+        elif fmt == "int4":
+            if w.shape[1] % GROUP or w.shape[0] % 16:
+                raise SpecforkError(f"--weights int4: a {w.shape[0]}x{w.shape[1]} matrix does "
+                                    f"not fit the kernel (rows a multiple of 16, inputs of "
+                                    f"{GROUP})")
+            q, self.s = quantize_int4(w)
+            self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        else:
+            raise SpecforkError(f"unknown weight format {fmt!r}")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xb = x.to(torch.bfloat16)
+        if self.fmt == "bfloat16":
+            y = (torch.ops.mkldnn._linear_pointwise(xb, self.packed, None, "none", [], "")
+                 if self.packed is not None else F.linear(xb, self.w))
+        elif self.fmt == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(xb, self.w, self.s)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.w, GROUP, self.s)
+        y = y.to(x.dtype)
+        return y if self.b is None else y.add_(self.b)
+
+    def add_to(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """x + self(a) (the residual add)."""
+        return self(a).add_(x)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one product reads: the weights in their format (packed) and their scales."""
+        t = [self.packed if self.packed is not None else self.w, self.s]
+        return sum(x.numel() * x.element_size() for x in t if x is not None)
+
+    packed_bytes = 0              # no second copy beside the format's own
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w [N, K]` -> (q int8 `[N, K]`, s bf16 `[N]`), w ~ q * s per output channel."""
+    s = (w.abs().amax(dim=1) / 127).clamp_min(1e-12).bfloat16()
+    q = torch.round(w / s.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, s
+
+
+def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w [N, K]` -> (q int32 in 0..15 `[N, K]`, scale_and_zero bf16 `[K / group, N, 2]`),
+    w ~ (q - 8) * s + z per group of `group` inputs: s = (max - min) / 15 and z = min + 8 s,
+    the group's range mapped onto 16 levels (GGUF's Q4_1)."""
+    N, K = w.shape
+    g = w.view(N, K // group, group)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    s = ((hi - lo) / 15).clamp_min(1e-8).bfloat16().float()
+    z = (lo + 8 * s).bfloat16().float()
+    q = torch.round((g - z[..., None]) / s[..., None] + 8).clamp_(0, 15)
+    sz = torch.stack((s, z), dim=-1).transpose(0, 1).contiguous().bfloat16()  # [K/g, N, 2]
+    return q.view(N, K).to(torch.int32), sz
+
+
+def dequantize(lin: QuantLinear) -> torch.Tensor:
+    """The fp32 weights `[N, K]` the kernel multiplies by (tests, error reports)."""
+    if lin.fmt == "bfloat16":
+        return lin.w.float()
+    if lin.fmt == "int8":
+        return lin.w.float() * lin.s.float()[:, None]
+    raise SpecforkError("int4 weights are kept packed; dequantize before packing")
+
+
+def check_weights(fmt: str, device: str | torch.device | None) -> None:
+    """One-line errors before any weights load."""
+    if fmt not in FORMATS:
+        raise SpecforkError(f"--weights: unknown format {fmt!r} (choose from "
+                            f"{', '.join(FORMATS)})")
+    dev = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    if fmt not in ("auto", "float32") and dev.type != "cpu":
+        raise SpecforkError(f"--weights {fmt}: low-bit weights run on a CPU for now; on a GPU "
+                            f"use --dtype")
+
+
+def resolve(fmt: str, device: torch.device) -> str:
+    """`auto` -> the format this machine runs fastest within the exactness contract."""
+    check_weights(fmt, device)
+    if fmt != "auto":
+        return fmt
+    return "float32"

@@ -1,0 +1,169 @@
+"""Weight formats (specfork/weights.py): what each kernel multiplies by, the model's logits
+under each format against float32, speculation under a format token-identical to plain
+decoding under the same format, and one-line errors."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specfork.errors import SpecforkError
+from specfork.weights import (GROUP, QuantLinear, check_weights, dequantize, quantize_int4,
+                              quantize_int8, resolve)
+
+LOW = ("bfloat16", "int8", "int4")
+
+
+def _ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What a weight-only kernel computes: bf16 activations times `w`, in fp32."""
+    return x.bfloat16().float() @ w.t()
+
+
+def test_int8_kernel_multiplies_by_the_dequantized_weights():
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(96, 64, generator=g), torch.randn(5, 64, generator=g)
+    lin = QuantLinear(w, None, "int8")
+    q, s = quantize_int8(w)
+    assert q.dtype == torch.int8 and s.dtype == torch.bfloat16 and q.abs().max() == 127
+    deq = dequantize(lin)
+    assert (deq - w).abs().max() <= s.float().max() / 2 + 1e-6      # half a step at most
+    torch.testing.assert_close(lin(x), _ref(x, deq), atol=0.05, rtol=0.01)   # bf16 output
+
+
+def test_int4_recovers_a_q4_1_grid_exactly():
+    """Weights that are already Q4_1 blocks (w = q * d + m, every block spanning 0..15) whose
+    scale d and offset m + 8d are bf16 values are held exactly: quantizing finds their grid and
+    the kernel's product equals the weights'."""
+    g = torch.Generator().manual_seed(1)
+    N, K = 64, 4 * GROUP
+    q = torch.randint(0, 16, (N, K // GROUP, GROUP), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(N, K // GROUP, 1, generator=g) * 0.1 + 0.01).bfloat16().float()
+    z = (torch.randn(N, K // GROUP, 1, generator=g) * 0.1).bfloat16().float()
+    w = (q * d + (z - 8 * d)).view(N, K)
+    q2, sz = quantize_int4(w)
+    s, z = sz[..., 0].float().t(), sz[..., 1].float().t()            # [N, K/g]
+    deq = ((q2.view(N, K // GROUP, GROUP) - 8) * s[..., None] + z[..., None]).view(N, K)
+    assert sz.shape == (K // GROUP, N, 2) and q2.min() >= 0 and q2.max() <= 15
+    assert (deq - w).abs().max() < 1e-6
+    x = torch.randn(3, K, generator=g)
+    torch.testing.assert_close(QuantLinear(w, None, "int4")(x), _ref(x, w), atol=0.05,
+                               rtol=0.01)
+
+
+@pytest.mark.parametrize("fmt", LOW)
+def test_one_row_equals_its_row_in_a_batch(fmt):
+    """A verify tree's rows get exactly what one-row decode steps would (greedy speculation
+    under a format is then token-identical to plain decoding under it)."""
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(208, 128, generator=g), torch.randn(9, 128, generator=g)
+    lin = QuantLinear(w, torch.randn(208, generator=g), fmt)
+    many = lin(x)
+    assert all(torch.equal(many[i:i + 1], lin(x[i:i + 1])) for i in range(9))
+    assert torch.equal(lin.add_to(x[:, :1].expand(9, 208).contiguous(), x), many + x[:, :1])
+
+
+def _tiny_model(weights="float32"):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from specfork.model import Model
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      initializer_range=0.05)
+    return Model(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval(),
+                 weights=weights)
+
+
+@pytest.mark.parametrize("fmt", LOW)
+def test_model_under_a_format(fmt):
+    """Logits near float32's; every matmul in the format (int4: the output layer int8); n-gram
+    speculation gives exactly plain decoding's tokens under the same format; nothing leaks."""
+    from specfork.attention import AttnMeta
+    from specfork.decoder import SpecDecoder
+    from specfork.drafters.ngram import NgramDrafter
+    from specfork.kv_tree import KVTree
+    ref, m = _tiny_model(), _tiny_model(fmt)
+    assert m.weights == fmt and m.packed_bytes() == 0
+    assert {x.fmt for x in m.linears()[1:]} == {fmt}
+    assert m.lm_head.fmt == ("int8" if fmt == "int4" else fmt)
+    ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(3))
+
+    def logits(model):
+        pool = model.make_pool(num_blocks=64)
+        kv = KVTree(pool)
+        b = kv.new_branch()
+        s = kv.append(b, 40)
+        return model.forward(ids, torch.arange(40), pool, AttnMeta.prefill(model, s[:0], s))
+
+    a, b = logits(ref), logits(m)
+    assert a.dtype == b.dtype == torch.float32
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1).min()
+    assert cos > {"bfloat16": 0.9995, "int8": 0.999, "int4": 0.97}[fmt], cos
+    prompt = [5, 6, 7, 8, 9] * 4 + [5, 6]
+    plain = SpecDecoder(m, None, eos_token_ids=[], max_kv_tokens=128)
+    spec = SpecDecoder(m, None, [NgramDrafter()], num_paths=2, draft_len=3, eos_token_ids=[],
+                       max_kv_tokens=128)
+    want = plain.generate(prompt, max_new_tokens=24).token_ids
+    got = spec.generate(prompt, max_new_tokens=24)
+    assert got.token_ids == want and got.stats["tree_steps"] > 0
+    assert got.stats["kv_blocks_leaked"] == 0
+
+
+def test_bad_formats_are_one_line_errors():
+    with pytest.raises(SpecforkError, match="unknown format 'int3'"):
+        check_weights("int3", "cpu")
+    with pytest.raises(SpecforkError, match="run on a CPU"):
+        check_weights("int8", "cuda")
+    assert resolve("auto", torch.device("cpu")) == "float32"
+    with pytest.raises(SpecforkError, match="does not fit the kernel"):
+        QuantLinear(torch.randn(16, 40), None, "int4")
+    p = subprocess.run([sys.executable, "-m", "specfork.cli", "generate", "--weights", "int3",
+                        "--prompt", "hi"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "int3" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt,max_ppl_ratio", [("bfloat16", 1.01), ("int8", 1.01),
+                                               ("int4", 1.03)])
+def test_embedded_target_perplexity_and_speculation(fmt, max_ppl_ratio):
+    """The embedded target under each format: perplexity on held-out text (stdlib pydoc, no
+    benchmark) within the issue's bound of float32's (int8 1%, int4 3%; bf16 as int8), top-1
+    agreement with float32 over 90%, and `--drafts 3` greedy output token-identical to plain
+    decoding under the same format."""
+    import pydoc
+    from specfork.attention import AttnMeta
+    from specfork.decoder import SpecDecoder
+    from specfork.drafters.registry import make_drafters
+    from specfork.kv_tree import KVTree
+    from specfork.loader import load_hf
+    from specfork.model import Model
+    hf, tok = load_hf("smollm2-135m")
+    text = pydoc.render_doc(__import__("textwrap"), renderer=pydoc.plaintext)
+    ids = torch.tensor(tok(text)["input_ids"][:512])
+
+    def logits(model):
+        pool = model.make_pool(num_blocks=600)
+        kv = KVTree(pool)
+        s = kv.append(kv.new_branch(), len(ids))
+        return model.forward(ids, torch.arange(len(ids)), pool,
+                             AttnMeta.prefill(model, s[:0], s))
+
+    def nll(lg):
+        return torch.nn.functional.cross_entropy(lg[:-1], ids[1:]).item()
+
+    ref = logits(Model(hf))
+    m = Model(hf, weights=fmt)
+    low = logits(m)
+    assert math.exp(nll(low) - nll(ref)) < max_ppl_ratio
+    assert (low.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    plain = SpecDecoder(m, tok)
+    spec = SpecDecoder(m, tok, make_drafters(None, "smollm2-135m", m, 3), num_paths=3,
+                       adaptive=False)
+    p = plain.encode("Write a Python function that returns the n-th Fibonacci number.")
+    want = plain.generate(p, max_new_tokens=48).token_ids
+    got = spec.generate(p, max_new_tokens=48)
+    assert got.token_ids == want and got.stats["tree_steps"] > 0
