@@ -18,7 +18,9 @@ A plan gives each drafter a depth (0: it does not draft this step). Its value:
 Drafters that cost next to nothing (n-gram lookup: `cheap`) draft every step even when they are
 not verified, and are scored against the tokens the target emitted ("shadow" scoring), so they
 come back as soon as the text starts to repeat. A costly drafter left out of the plan for `probe`
-steps drafts (and is verified) on the next one, so its estimate cannot go stale for ever.
+steps drafts (and is verified) on the next one, so its estimate cannot go stale for ever; each
+probe after which it is still not worth its cost doubles that wait (up to `PROBE_MAX` steps),
+so a drafter that never pays (a slow draft beside a fast low-bit target) costs ever less.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from itertools import combinations
 PRIOR = (1.0, 1.0)               # Beta prior of each depth's acceptance (accepted, rejected)
 DECAY = 0.9                      # weight of past observations per new one
 PROBE = 8                        # steps a costly drafter may stay out before it is tried again
+PROBE_MAX = 128                  # the longest wait, after probes that did not pay
 CHEAP = 0.02                     # drafting under this share of a plain step: always shadowed
 
 
@@ -56,6 +59,8 @@ class _Track:
         #                                           drafters: per depth drafted)
         self.timed = False
         self.idle = 0                             # steps since it last drafted verified
+        self.gap = 0                              # steps it may stay out (set by the controller)
+        self.probed = False                       # it drafts this step only as a probe
 
     def chance(self, depth: int) -> list[float]:
         """P(its k-th token is accepted) for k = 1..depth."""
@@ -99,6 +104,7 @@ class DraftController:
         self.tracks = [_Track(getattr(d, "depth", self.draft_len) if self._tree(d)
                               else self.draft_len, self._tree(d)) for d in self.drafters]
         for d, t in zip(self.drafters, self.tracks):
+            t.gap = self.probe
             if t.tree:
                 t.width = d.tree_tokens / max(1, d.depth)
         self.kappa = 1.0
@@ -132,9 +138,23 @@ class DraftController:
 
     def plan(self) -> list[int]:
         """This step's depth per drafter (0: not verified this step)."""
-        n = len(self.drafters)
         forced = [i for i, t in enumerate(self.tracks)
-                  if not self.cheap(i) and t.idle >= self.probe]
+                  if not self.cheap(i) and t.idle >= t.gap]
+        best_depths, best_e = self._best(forced)
+        for i, t in enumerate(self.tracks):
+            t.probed = i in forced
+        self.predicted = best_e
+        if forced:
+            self.probe_steps += 1
+        if not any(best_depths):
+            self.off_steps += 1
+        self.trace.append(best_depths)
+        return best_depths
+
+    def _best(self, forced: list[int]) -> tuple[list[int], float]:
+        """The plan of highest value that includes every drafter in `forced`, and its
+        E[accepted]."""
+        n = len(self.drafters)
         best, best_depths, best_e = -1.0, [0] * n, 0.0
         for r in range(0, n + 1):
             for chosen in combinations(range(n), r):
@@ -148,13 +168,7 @@ class DraftController:
                         best, best_depths, best_e = v, depths, e
                     if all(self.tracks[i].tree for i in chosen):
                         break                     # the depth loop changes nothing
-        self.predicted = best_e
-        if forced:
-            self.probe_steps += 1
-        if not any(best_depths):
-            self.off_steps += 1
-        self.trace.append(best_depths)
-        return best_depths
+        return best_depths, best_e
 
     def update(self, depths: list[int], proposals: list[list[list[int]] | None],
                seconds: list[float], emitted: list[int], rows: int, verify_s: float) -> None:
@@ -166,6 +180,13 @@ class DraftController:
                 t.score(paths, emitted)
                 t.time(s, paths)
         self.cost.observe(rows, verify_s)
+        probed = [i for i, t in enumerate(self.tracks) if t.probed]
+        if probed:                          # with what the probe taught: still not worth it?
+            free = self._best([])[0]
+            for i in probed:
+                t = self.tracks[i]
+                t.gap = self.probe if free[i] else min(PROBE_MAX, 2 * t.gap)
+                t.probed = False
         if any(depths) and self.predicted > 0:
             ratio = (len(emitted) - 1) / self.predicted
             self.kappa = min(1.5, max(0.5, DECAY * self.kappa + (1 - DECAY) * ratio))

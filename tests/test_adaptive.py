@@ -92,11 +92,24 @@ def test_cost_model_interpolates_and_follows_measured_steps():
 def test_wrong_drafter_is_switched_off_and_probed():
     ctl = DraftController([Scripted("bad", None)], draft_len=4, cost=_cost(), probe=8)
     # the drafter costs 0.3 plain steps per call: never cheap, so it is probed, not shadowed
-    _run(ctl, lambda d, p: [9, 9, 9], lambda i, k: [1] * k, steps=80, seconds=0.3)
+    _run(ctl, lambda d, p: [9, 9, 9], lambda i, k: [1] * k, steps=160, seconds=0.3)
     on = [row[0] for row in ctl.trace]
-    assert sum(1 for x in on[20:] if x == 0) >= 0.8 * len(on[20:])   # off, but for probes
-    assert ctl.probe_steps >= 5 and any(on[40:])                      # probed again and again
-    assert ctl.off_steps >= 0.8 * 60
+    assert sum(1 for x in on[20:] if x == 0) >= 0.9 * len(on[20:])   # off, but for probes
+    assert ctl.off_steps >= 0.9 * 140
+    # probed again and again, each failed probe doubling the wait: 8, 16, 32, 64 steps
+    probes = [i for i, x in enumerate(on) if x][-4:]
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
+    assert ctl.probe_steps >= 4 and gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0], gaps
+
+
+def test_probe_wait_resets_once_the_drafter_pays_again():
+    """A costly drafter that starts paying after a wrong phase is back within PROBE_MAX steps
+    and then stays on."""
+    ctl = DraftController([Scripted("m", None)], draft_len=4, cost=_cost(), probe=8)
+    _run(ctl, lambda d, p: [9, 9, 9], lambda i, k: [1] * k, steps=60, seconds=0.3)
+    assert ctl.tracks[0].gap > 8
+    _run(ctl, lambda d, p: [5] * (d[0] + 1), lambda i, k: [5] * k, steps=140, seconds=0.01)
+    assert all(row[0] > 0 for row in ctl.trace[-10:]) and ctl.tracks[0].gap == 8
 
 
 def test_right_drafter_stays_on_at_full_depth():
