@@ -27,6 +27,11 @@ from specfork.kernels.tree_attention import (_flash_cpu, tree_attention, tree_at
                                              tree_bias_of)
 
 DECODE, CAUSAL, PAGED, MASKED, CASCADE = "decode", "causal", "paged", "masked", "cascade"
+# Under low-bit weights (model.rows_exact) every matmul rounds to bf16, which turns last-bit
+# differences between attention paths into flipped tokens at near-ties; there a verify tree
+# attends row by row exactly as a decode step at that position would (the same keys in the
+# same order through the same op), and decode steps gather their keys in one piece.
+ROWS = "rows"
 
 # A tree this small over a prefix this short (and not passing its own prefix_mask) attends with
 # two plain bmm's under one additive mask built per forward instead of the cascade's two flash
@@ -72,6 +77,7 @@ class AttnMeta:
     tree_mask: torch.Tensor | None = None     # [T, T] bool (not on decode, causal)
     bias: torch.Tensor | None = None          # additive 0/-inf: cascade [T, T], masked [T*G, L+T]
     table: torch.Tensor | None = None         # [L] int32 (paged)
+    rows: list | None = None                  # ROWS: per tree row, its ancestors (and itself)
     run: tuple[int, int] | None = None        # CPU decode/cascade: (first slot, length) of the
     #                                           prefix's leading run, read as a view; `read`
     #                                           then holds only the slots after it
@@ -111,8 +117,11 @@ class AttnMeta:
         path = pick_path(T, L, gpu=dev.type == "cuda", causal=causal,
                          per_query=prefix_mask is not None,
                          plain_write=write is not None and write_src is None)
+        exact = getattr(model, "rows_exact", False) and dev.type == "cpu"
+        if exact and not causal and prefix_mask is None:
+            path = ROWS
         run = None
-        if dev.type == "cpu" and path in (DECODE, CASCADE) and L >= RUN_MIN and (
+        if dev.type == "cpu" and path in (DECODE, CASCADE) and L >= RUN_MIN and not exact and (
                 path == DECODE or _flash_cpu is not None):
             r = leading_run(prefix)
             if r >= RUN_MIN:
@@ -121,6 +130,10 @@ class AttnMeta:
         read, write, write_src = _to_device(dev, read, write, write_src)
         meta = cls(path, L, read, write, write_src, run=run)
         if path in (DECODE, CAUSAL):
+            return meta
+        if path == ROWS:                   # row i's keys: the prefix, then its tree ancestors
+            meta.tree_mask = tree_mask
+            meta.rows = [torch.nonzero(r).flatten().to(dev) for r in tree_mask.cpu()]
             return meta
         if tree_mask is None:              # prefill; a tree's mask is never None
             tree_mask = causal_mask(T, dev)
@@ -160,6 +173,11 @@ class AttnMeta:
         if self.path == DECODE:
             return decode_attention(q, k_slots.index_select(0, self.read),
                                     v_slots.index_select(0, self.read), scale)
+        if self.path == ROWS:
+            kp, vp = k_slots.index_select(0, self.read), v_slots.index_select(0, self.read)
+            return torch.cat([decode_attention(q[i:i + 1], torch.cat((kp, k.index_select(0, a))),
+                                               torch.cat((vp, v.index_select(0, a))), scale)
+                              for i, a in enumerate(self.rows)])
         if self.path == CAUSAL:
             return causal_attention(q, k, v, scale)
         if self.path == PAGED:

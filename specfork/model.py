@@ -190,6 +190,7 @@ class Model:
 
         self.weights = resolve(weights, self.device)
         low = self.weights != "float32"
+        self.rows_exact = low          # verify trees attend row by row (specfork/attention.py)
         if low:
             pack = False                           # the format's own copy replaces the packing
         if pack is None:
