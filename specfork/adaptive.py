@@ -30,6 +30,7 @@ PRIOR = (1.0, 1.0)               # Beta prior of each depth's acceptance (accept
 DECAY = 0.9                      # weight of past observations per new one
 PROBE = 8                        # steps a costly drafter may stay out before it is tried again
 PROBE_MAX = 128                  # the longest wait, after probes that did not pay
+KAPPA = (0.1, 2.0)               # bounds of the realised / predicted acceptance correction
 CHEAP = 0.02                     # drafting under this share of a plain step: always shadowed
 
 
@@ -189,7 +190,7 @@ class DraftController:
                 t.probed = False
         if any(depths) and self.predicted > 0:
             ratio = (len(emitted) - 1) / self.predicted
-            self.kappa = min(1.5, max(0.5, DECAY * self.kappa + (1 - DECAY) * ratio))
+            self.kappa = min(KAPPA[1], max(KAPPA[0], DECAY * self.kappa + (1 - DECAY) * ratio))
 
     def stats(self, names: list[str]) -> dict:
         return {"off_steps": self.off_steps, "probe_steps": self.probe_steps,
