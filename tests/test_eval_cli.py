@@ -28,6 +28,9 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
     ("bench_long", ["--buckets", "<=256,huge"], "--buckets: unknown ['huge']"),
     ("bench_prefill", ["--lengths", "100,x"], "--lengths: not a list of integers"),
     ("bench_prefill", ["--steps", "0"], "must be positive"),
+    ("bench_cpu", ["--formats", "float32,int3"], "--formats: unknown ['int3']"),
+    ("bench_cpu", ["--drafts", "0"], "must be positive"),
+    ("profile_step", ["--tokens", "1"], "--tokens must be >= 2"),
 ])
 def test_bad_input_is_one_line(script, args, needle):
     p = subprocess.run([sys.executable, str(ROOT / "eval" / f"{script}.py"), *args],
@@ -102,3 +105,26 @@ def test_bench_prefill_end_to_end(tmp_path):
         assert set(r["prefill_s"]) == {"hf", "causal_sdpa", "cascade"}
         assert set(r["decode_step_ms"]) == {"hf", "run_view", "gathered"}
         assert all(v > 0 for v in (*r["prefill_s"].values(), *r["decode_step_ms"].values()))
+
+
+@pytest.mark.slow
+def test_bench_cpu_end_to_end(tmp_path):
+    """bench_cpu on one prompt per set, float32 and int4: float32 equals HF greedy and its
+    speculation plain decoding; int4 reports its quality against float32 and its bandwidth
+    limit; the llama.cpp row is there or says why not."""
+    stem = tmp_path / "cpu"
+    args = ["--prompts-per-set", "1", "--max-new-tokens", "6", "--formats", "float32,int4",
+            "--bw-mib", "64", "--out", str(stem)]
+    p = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_cpu.py"), *args],
+                       capture_output=True, text=True, timeout=900, env=ENV)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(stem.with_suffix(".json").read_text())
+    assert res["command"] == "python eval/bench_cpu.py " + shlex.join(args)
+    assert res["exact"] == {"float32_spec_vs_plain": True, "float32_vs_hf": True}
+    by = {r["key"]: r for r in res["rows"]}
+    assert {"hf_greedy", "plain_float32", "spec_float32", "plain_int4", "spec_int4"} <= set(by)
+    assert "llama_cpp" in by or any(n.startswith("llama.cpp row skipped") for n in res["notes"])
+    q = by["plain_int4"]
+    assert 0.97 < q["ppl_ratio"] < 1.03 and q["top1_agreement"] > 0.9
+    assert q["bandwidth_limit_tok_s"] > by["plain_float32"]["bandwidth_limit_tok_s"] * 3
+    assert stem.with_suffix(".png").is_file()
