@@ -38,6 +38,7 @@ def converted():
     (["--prompt", "hi", "--beams", "2", "--drafter", "ngram"],
      "--beams is greedy beam search: drop --drafter"),
     (["--prompt", "  "], "the prompt is empty"),
+    (["--prompt", "hi", "--weights", "int3"], "--weights: unknown format 'int3'"),
     (["--prompt", "hi", "--device", "mps"], "device 'mps' is not supported"),
     (["--prompt", "hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["--prompt", "hi", "--temperature", "0.7", "--top-k", "-1"], "top_k must be an integer >= 0"),
@@ -98,6 +99,23 @@ def test_json_output_schema():
                "--json", "--drafts", "2", "--no-adaptive")
     fixed = json.loads(p.stdout)
     assert fixed["token_ids"] == out["token_ids"] and "adaptive" not in fixed["stats"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["int4", "bfloat16"])
+def test_weights_flag_end_to_end(fmt):
+    """`--weights` as a user runs it: plain and `--drafts 3` under the format give the same
+    tokens, an answer in words, nothing leaked."""
+    args = ("generate", "--prompt", "Name three primary colors.", "--max-new-tokens", "24",
+            "--json", "--weights", fmt)
+    p, _ = run(*args)
+    assert p.returncode == 0, p.stderr
+    plain = json.loads(p.stdout)
+    p, _ = run(*args, "--drafts", "3")
+    assert p.returncode == 0, p.stderr
+    spec = json.loads(p.stdout)
+    assert spec["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) > 4
+    assert spec["stats"]["kv_blocks_leaked"] == 0 and any(c.isalpha() for c in plain["text"])
 
 
 @pytest.mark.slow
