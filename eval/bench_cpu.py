@@ -64,14 +64,17 @@ def read_bandwidth(mib: int) -> float:
     return x.nbytes / best
 
 
+def weight_bytes(model) -> int:
+    """Bytes of every matmul's weights as a decode step reads them (a low-bit format's own
+    tensors and scales; fp32: the weights)."""
+    return sum(lin.nbytes if hasattr(lin, "fmt") else lin.w.nbytes for lin in model.linears())
+
+
 def step_bytes(model, context: int) -> int:
     """Bytes a one-token decode step reads: every matmul's weights as held, the KV cache of
     `context` tokens, one embedding row."""
-    w = 0
-    for lin in model.linears():
-        w += lin.nbytes if hasattr(lin, "fmt") else lin.w.nbytes
     kv = 2 * model.num_layers * model.kv_heads * model.head_dim * context * 4
-    return w + kv + model.embed.shape[1] * model.embed.element_size()
+    return weight_bytes(model) + kv + model.embed.shape[1] * model.embed.element_size()
 
 
 def main(argv=None) -> int:

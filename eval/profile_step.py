@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import command as command_line, machine  # noqa: E402
-from bench_cpu import FORMATS, parse_formats, read_bandwidth, step_bytes  # noqa: E402
+from bench_cpu import (FORMATS, parse_formats, read_bandwidth, step_bytes,  # noqa: E402
+                       weight_bytes)
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 CATEGORIES = [   # (category, substrings of the op name), first match wins
@@ -103,7 +104,7 @@ def _run(a, fmts, command) -> int:
         step = wall * 1e3 / steps
         per["outside ops"] = round(step - sum(per.values()), 3)
         limit_ms = step_bytes(m, len(ids) + steps // 2) / bw * 1e3
-        wbytes = sum(x.nbytes if hasattr(x, "fmt") else x.w.nbytes for x in m.linears())
+        wbytes = weight_bytes(m)
         out["formats"][fmt] = {"step_ms": round(step, 3), "tok_s": round(1e3 / step, 1),
                                "breakdown_ms": per,
                                "bandwidth_limit_ms": round(limit_ms, 3),

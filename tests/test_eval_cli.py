@@ -128,3 +128,18 @@ def test_bench_cpu_end_to_end(tmp_path):
     assert 0.97 < q["ppl_ratio"] < 1.03 and q["top1_agreement"] > 0.9
     assert q["bandwidth_limit_tok_s"] > by["plain_float32"]["bandwidth_limit_tok_s"] * 3
     assert stem.with_suffix(".png").is_file()
+
+
+@pytest.mark.slow
+def test_profile_step_end_to_end(tmp_path):
+    """profile_step on int4 for a few tokens: a breakdown whose parts add up to the step."""
+    out = tmp_path / "prof.json"
+    args = ["--formats", "int4", "--tokens", "6", "--json", str(out)]
+    p = subprocess.run([sys.executable, str(ROOT / "eval" / "profile_step.py"), *args],
+                       capture_output=True, text=True, timeout=600, env=ENV)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["command"] == "python eval/profile_step.py " + shlex.join(args)
+    f = res["formats"]["int4"]
+    assert f["breakdown_ms"]["matmul"] > 0 and 0 < f["of_limit"] < 1
+    assert abs(sum(f["breakdown_ms"].values()) - f["step_ms"]) < 0.01
