@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import command as command_line, machine  # noqa: E402
+from provenance import command as command_line, machine, write_results  # noqa: E402
 
 FORMATS = ("float32", "bfloat16", "int8", "int4")
 
@@ -279,13 +279,7 @@ def _run(a, fmts: list[str], command: str) -> int:
                       "drafts": a.drafts, "read_bandwidth_gb_s": round(bw / 1e9, 1),
                       "mean_context": round(context), "held_out_tokens": len(held)},
            "exact": exact, "notes": notes, "rows": rows}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
-    md = markdown(res)
-    plot(res, out.with_suffix(".png"))
-    out.with_suffix(".md").write_text(md + f"\nPlot: {out.with_suffix('.png').name}\n")
-    print(md)
+    write_results(a.out, res, markdown, plot)
     if not all(exact.values()):                 # float32's contract; lower formats report
         print(f"WARNING: not exact: {exact}", file=sys.stderr)
         return 1

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pydoc
 import re
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import command as command_line, machine  # noqa: E402
+from provenance import command as command_line, machine, write_results  # noqa: E402
 
 MODULES = ["json", "argparse", "collections", "functools", "itertools", "pathlib", "logging",
            "textwrap", "shutil", "heapq", "string", "csv", "datetime", "statistics",
@@ -234,13 +233,7 @@ def _run(a, buckets: list[str], command: str) -> int:
            "all_exact": all(r["exact"] for r in rows),
            "leaked_blocks": sum(r["leaked"] for r in rows),
            "summary": summary, "prompts": rows}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
-    md = markdown(res)
-    plot(res, out.with_suffix(".png"))
-    out.with_suffix(".md").write_text(md + f"\nPlot: {out.with_suffix('.png').name}\n")
-    print(md)
+    write_results(a.out, res, markdown, plot)
     if not res["all_exact"]:
         print("WARNING: some output differs from HF greedy", file=sys.stderr)
     return 0

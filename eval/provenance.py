@@ -41,3 +41,20 @@ def command(script: str, argv: list[str] | None = None) -> str:
     `python eval/<script>.py <args>` (argv None: this process's own arguments)."""
     args = sys.argv[1:] if argv is None else list(argv)
     return f"python eval/{script}.py" + (" " + shlex.join(args) if args else "")
+
+
+def write_results(stem, res: dict, markdown, plot=None) -> str:
+    """`<stem>.json` (res), `<stem>.png` (plot(res, path), if given) and `<stem>.md`
+    (markdown(res) plus the plot's name); prints and returns the Markdown."""
+    import json
+    from pathlib import Path
+    out = Path(stem)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+    md = markdown(res)
+    if plot is not None:
+        plot(res, out.with_suffix(".png"))
+        md += f"\nPlot: {out.with_suffix('.png').name}\n"
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    return md

@@ -27,8 +27,9 @@ from specfork.kernels.tree_attention import (_flash_cpu, tree_attention, tree_at
                                              tree_bias_of)
 
 DECODE, CAUSAL, PAGED, MASKED, CASCADE = "decode", "causal", "paged", "masked", "cascade"
-# Under low-bit weights (model.rows_exact) every matmul rounds to bf16, which turns last-bit
-# differences between attention paths into flipped tokens at near-ties; there a verify tree
+# Under low-bit weights (model.rows_exact) every matmul rounds to bf16, and under TurboQuant KV
+# a last-bit difference in a key can pick another code: either turns last-bit differences
+# between attention paths into flipped tokens at near-ties; there a verify tree
 # attends row by row exactly as a decode step at that position would (the same keys in the
 # same order through the same op), and decode steps gather their keys in one piece.
 ROWS = "rows"
@@ -159,7 +160,8 @@ class AttnMeta:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_slots: torch.Tensor,
                v_slots: torch.Tensor, scale: float) -> torch.Tensor:
         """One layer: q `[T, H, D]`, the new k/v `[T, KVH, D]` (already written), the layer's
-        pool as slot arrays `[slots, KVH, D]` -> `[T, H, D]`."""
+        pool as slot arrays `[slots, KVH, D]` (or `StoredSlots` that decode what is read)
+        -> `[T, H, D]`."""
         if self.run is not None:                  # CPU decode / cascade over a long prefix
             a, r = self.run
             kr, vr = k_slots[a:a + r], v_slots[a:a + r]                  # views, no copy
@@ -180,6 +182,14 @@ class AttnMeta:
                               for i, a in enumerate(self.rows)])
         if self.path == CAUSAL:
             return causal_attention(q, k, v, scale)
+        if self.path == PAGED and not isinstance(k_slots, torch.Tensor):
+            # a compressed pool: the prefix decoded in one gather, then the same kernel over
+            # it as one-token pages in order (the kernel does not read codes itself yet)
+            kp, vp = k_slots.index_select(0, self.read), v_slots.index_select(0, self.read)
+            pages = (-1, 1) + tuple(kp.shape[1:])
+            table = torch.arange(kp.shape[0], dtype=torch.int32, device=kp.device)
+            return tree_attention(q, kp.view(pages), vp.view(pages), table, self.prefix_len,
+                                  k, v, self.tree_mask, scale)
         if self.path == PAGED:
             pages = (-1, 1) + tuple(k_slots.shape[1:])                # one-token pages
             return tree_attention(q, k_slots.view(pages), v_slots.view(pages), self.table,

@@ -1,4 +1,5 @@
-"""`specfork generate ...`: stream a completion, or print one JSON object with --json."""
+"""`specfork generate ...`: stream a completion, or print one JSON object with --json.
+`specfork score ...`: per-token negative log-likelihoods and perplexity of a text."""
 from __future__ import annotations
 
 import argparse
@@ -58,9 +59,53 @@ def _args(argv):
                    "float32, bfloat16, int8 (per channel) or int4 (groups of 32), weight-only "
                    "(CPU; auto: float32)")
     g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    _kv_arg(g)
     g.add_argument("--raw", action="store_true", help="no chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    s = sub.add_parser("score", help="per-token NLL and perplexity of a text (no chat template)")
+    s.add_argument("--target", default="smollm2-135m", help="as for generate")
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the text")
+    src.add_argument("--prompt-file", help="file holding the text ('-' for stdin)")
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    s.add_argument("--weights", default="auto", help="as for generate")
+    s.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    _kv_arg(s)
+    s.add_argument("--json", action="store_true",
+                   help="print one JSON object: tokens, nll (tokens 1..), ppl")
     return p.parse_args(argv)
+
+
+def _kv_arg(g) -> None:
+    g.add_argument("--kv-cache", default="auto",
+                   help="KV cache format: auto (the model's dtype), float32, bfloat16, float16, "
+                        "or TurboQuant codes turbo4, turbo3.5, turbo3, turbo2.5 (bits per "
+                        "stored value, norms included)")
+
+
+def score(a) -> int:
+    import torch
+
+    from specfork.decoder import SpecDecoder
+    from specfork.engine import check_prompt
+    from specfork.kv_quant import parse_kv_format
+    from specfork.loader import check_device
+    from specfork.weights import check_weights
+    check_device(a.device)
+    check_weights(a.weights, a.device)
+    parse_kv_format(a.kv_cache)
+    text = _prompt(a)
+    check_prompt(text)
+    dtype = getattr(torch, a.dtype) if a.dtype else None
+    dec = SpecDecoder.from_pretrained(target=a.target, dtype=dtype, device=a.device,
+                                      weights=a.weights, kv_cache=a.kv_cache)
+    res = dec.score(text)
+    if a.json:
+        print(json.dumps(res))
+    else:
+        print(f"{len(res['tokens'])} tokens, mean NLL {sum(res['nll']) / len(res['nll']):.4f}, "
+              f"perplexity {res['ppl']:.4f}")
+    return 0
 
 
 def _prompt(a) -> str:
@@ -80,8 +125,9 @@ def generate(a) -> int:
     from specfork.engine import check_prompt
     from specfork.errors import SpecforkError
     from specfork.loader import check_device
-    from specfork.weights import check_weights
+    from specfork.kv_quant import parse_kv_format
     from specfork.sampling import check_sampling
+    from specfork.weights import check_weights
     drafting = {"--drafter": a.drafter, "--draft-len": a.draft_len, "--min-conf": a.min_conf,
                 "--draft-vocab": a.draft_vocab, "--tree-topk": a.tree_topk,
                 "--tree-depth": a.tree_depth, "--draft-tokens": a.draft_tokens,
@@ -107,6 +153,7 @@ def generate(a) -> int:
     check_drafting(a.drafts, draft_len, a.drafter, a.target, a.min_conf, a.draft_vocab, tree)
     check_device(a.device)
     check_weights(a.weights, a.device)
+    parse_kv_format(a.kv_cache)
     check_sampling(a.max_new_tokens, a.temperature, a.top_p, a.top_k, a.seed)
     prompt = _prompt(a)
     check_prompt(prompt)
@@ -116,7 +163,7 @@ def generate(a) -> int:
                                       min_conf=a.min_conf, draft_vocab=a.draft_vocab,
                                       tree_topk=tree[0], tree_depth=tree[1],
                                       draft_tokens=tree[2], adaptive=a.adaptive,
-                                      weights=a.weights)
+                                      weights=a.weights, kv_cache=a.kv_cache)
     tok = dec.tokenizer
     if a.beams:
         from specfork.search import beam_search
@@ -157,7 +204,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     a = _args(argv)
     from specfork.errors import run_command
-    return run_command("specfork", lambda: generate(a))
+    return run_command("specfork", lambda: score(a) if a.cmd == "score" else generate(a))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ from specfork.attention import AttnMeta
 from specfork.drafters.base import Drafter
 from specfork.drafters.registry import DRAFT_LEN, check_drafting
 from specfork.engine import Engine
+from specfork.errors import SpecforkError
+from specfork.kv_quant import calibration_ids, parse_kv_format
 from specfork.kv_tree import KVTree
 from specfork.model import Model
 from specfork.sampling import check_sampling, pick, sampling_params
@@ -22,6 +24,8 @@ from specfork.types import DraftPath, GenerateOutput, SamplingParams
 from specfork.verifiers.greedy import verify_greedy
 from specfork.verifiers.sampling import verify_sampling
 from specfork.weights import check_weights
+
+SCORE_CHUNK = 512              # tokens per prefill chunk of `score`
 
 
 class SpecDecoder:
@@ -79,10 +83,13 @@ class SpecDecoder:
                         min_conf: float | None = None, draft_vocab: int | None = None,
                         tree_topk: int | None = None, tree_depth: int | None = None,
                         draft_tokens: int | None = None, adaptive: bool = True,
-                        weights: str = "auto", **kw) -> "SpecDecoder":
+                        weights: str = "auto", kv_cache: str = "auto",
+                        **kw) -> "SpecDecoder":
         """`tree_topk`, `tree_depth`, `draft_tokens`: the EAGLE draft tree's shape (None: the
         tuned defaults). `adaptive` (on by default here): see `SpecDecoder`. `weights`: the
-        target's weight format (`specfork/weights.py`: auto, float32, bfloat16, int8, int4)."""
+        target's weight format (`specfork/weights.py`: auto, float32, bfloat16, int8, int4).
+        `kv_cache`: the target's KV format (`specfork/kv_quant.py`: auto, float32, bfloat16,
+        float16, turbo4, turbo3.5, turbo3, turbo2.5)."""
         from specfork.drafters import eagle
         from specfork.drafters.registry import make_drafters
         from specfork.loader import check_device, load_hf
@@ -90,8 +97,10 @@ class SpecDecoder:
         check_drafting(drafts, draft_len, drafter, target, min_conf, draft_vocab, tree)
         check_device(device)                               # all before any weights load
         check_weights(weights, device)
+        parse_kv_format(kv_cache)
         hf, tok = load_hf(target, dtype=dtype, device=device)
-        model = Model(hf, weights=weights)
+        model = Model(hf, weights=weights, kv_cache=kv_cache)
+        model.calibrate_kv(calibration_ids(tok))
         drafters = (make_drafters(drafter, target, model, drafts, min_conf, draft_vocab,
                                   draft_len=draft_len, tree=tree,
                                   max_kv_tokens=kw.get("max_kv_tokens"))
@@ -101,6 +110,34 @@ class SpecDecoder:
 
     def encode(self, prompt: str | list[int], raw: bool = False) -> list[int]:
         return self.engine.encode(prompt, raw)
+
+    @torch.inference_mode()
+    def score(self, text: str | list[int], chunk: int = SCORE_CHUNK) -> dict:
+        """Per-token negative log-likelihoods of a text as is (no chat template) under the
+        target and its KV format, like vLLM's prompt logprobs: one prefill, in chunks of
+        `chunk` tokens that read the earlier ones through the KV pool (and only `chunk` rows of
+        logits at a time). {"tokens": ids, "nll": [len - 1] for tokens 1.., "ppl"}."""
+        ids = self.encode(text, raw=True)
+        if len(ids) < 2:
+            raise SpecforkError("scoring needs at least two tokens")
+        self.engine.check_length(len(ids), 0)
+        m, kv, dev = self.model, self.kv, self.model.device
+        B = kv.new_branch()
+        nll = []
+        try:
+            for a in range(0, len(ids), chunk):
+                x = ids[a:a + chunk]
+                meta = AttnMeta.prefill(m, kv.slots(B), kv.append(B, len(x)))
+                logits = m.forward(torch.tensor(x, device=dev),
+                                   torch.arange(a, a + len(x), device=dev), self.pool, meta,
+                                   logits_idx=slice(None))
+                nxt = torch.tensor(ids[a + 1:a + 1 + len(x)], device=dev)
+                lp = torch.log_softmax(logits[:len(nxt)].float(), dim=-1)
+                nll.append(-lp.gather(1, nxt[:, None])[:, 0])
+        finally:
+            kv.release(B)
+        nll = torch.cat(nll)
+        return {"tokens": ids, "nll": nll.tolist(), "ppl": float(nll.mean().exp())}
 
     # -- the loop -------------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128,
@@ -318,6 +355,7 @@ class _Stats:
             "tokens_per_s": new_tokens / wall if wall > 0 else 0.0,
             "wall_s": wall,
             "kv_peak_bytes": pool.peak_bytes,
+            "kv_bytes_per_token": pool.bytes_per_token,
             "kv_blocks_leaked": pool.used_blocks,
             "spec_steps": self.steps,
             "tree_steps": self.tree_steps,

@@ -7,6 +7,8 @@ Ancestors stay alive while any descendant lives; releasing a branch frees its ow
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -34,9 +36,17 @@ class BlockPool:
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, block_size: int = 16,
                  num_blocks: int | None = None, max_bytes: int | None = None,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        elsize = torch.empty((), dtype=dtype).element_size()
-        self.block_bytes = 2 * num_layers * block_size * kv_heads * head_dim * elsize
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 codecs: list | None = None):
+        """`codecs`: per layer (key codec, value codec) of a stored format other than `dtype`
+        (`specfork/kv_quant.py`): slots then hold the codec's rows (TurboQuant: uint8 codes
+        with their norms) and every read decodes them. None: plain `dtype` K/V."""
+        self.codecs = codecs
+        rows = [((head_dim,), dtype)] * 2 if codecs is None else [
+            (c.row, c.store_dtype) for c in codecs[0]]                 # keys, values
+        slot_bytes = num_layers * kv_heads * sum(
+            math.prod(r) * torch.empty((), dtype=d).element_size() for r, d in rows)
+        self.block_bytes = block_size * slot_bytes
         if num_blocks is None:
             if max_bytes is None:
                 raise ValueError("BlockPool needs num_blocks or max_bytes")
@@ -45,9 +55,10 @@ class BlockPool:
             raise ValueError(f"BlockPool: a budget of {num_blocks} blocks holds nothing")
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, dtype
-        shape = (num_layers, num_blocks, block_size, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (num_layers, num_blocks, block_size, kv_heads)
+        self.k, self.v = (torch.zeros(shape + r, dtype=d, device=device) for r, d in rows)
+        # the bytes a block really takes, measured from the tensors allocated
+        self.block_bytes = (self.k.nbytes + self.v.nbytes) // num_blocks
         self.refcount = [0] * num_blocks
         self.free = list(range(num_blocks - 1, -1, -1))  # stack: low ids first
         self.peak_blocks = 0
@@ -83,9 +94,14 @@ class BlockPool:
 
     # -- views and accounting -----------------------------------------------------------------
     def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer as flat slot arrays `[num_blocks * block_size, kv_heads, head_dim]`."""
-        shape = (-1, self.kv_heads, self.head_dim)
-        return self.k[layer].view(shape), self.v[layer].view(shape)
+        """K and V of one layer as flat slot arrays `[num_blocks * block_size, kv_heads, *row]`
+        (row: `[head_dim]`, or a codec's stored row)."""
+        return (self.k[layer].view((-1, self.kv_heads) + tuple(self.k.shape[4:])),
+                self.v[layer].view((-1, self.kv_heads) + tuple(self.v.shape[4:])))
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.block_bytes // self.block_size
 
     @property
     def used_blocks(self) -> int:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from specfork.attention import AttnMeta
 from specfork.errors import SpecforkError
+from specfork.kv_quant import StoredSlots, layer_codecs
 from specfork.kv_tree import BlockPool
 from specfork.weights import HEAD_FORMAT, QuantLinear, resolve
 
@@ -162,10 +163,13 @@ class Model:
     # a partial tail block per branch plus copy-on-write copies (SGLang's page size 1).
     block_size = 1
 
-    def __init__(self, hf, pack: bool | None = None, weights: str = "float32"):
+    def __init__(self, hf, pack: bool | None = None, weights: str = "float32",
+                 kv_cache: str = "auto"):
         """`pack`: keep oneDNN-packed copies of the weights for few-row matmuls (None: on CPU
         in fp32, or bf16 where the CPU has bf16 GEMMs, when the copies take at most 4 GiB).
-        `weights`: the matmuls' weight format (`specfork/weights.py`; float32: as loaded)."""
+        `weights`: the matmuls' weight format (`specfork/weights.py`; float32: as loaded).
+        `kv_cache`: the format of every pool `make_pool` makes (`specfork/kv_quant.py`; auto:
+        the model's dtype)."""
         cfg = hf.config
         if cfg.model_type not in SUPPORTED:
             raise UnsupportedModel(f"model type '{cfg.model_type}' is not supported "
@@ -188,9 +192,18 @@ class Model:
         self.rotary = body.rotary_emb
         self.dtype, self.device = self.embed.dtype, self.embed.device
 
+        self.kv_cache = kv_cache
+        self.kv_codecs = layer_codecs(kv_cache, self.num_layers, self.head_dim, self.dtype,
+                                      self.device)
         self.weights = resolve(weights, self.device)
         low = self.weights != "float32"
-        self.rows_exact = low          # verify trees attend row by row (specfork/attention.py)
+        # Quantized K/V turn last-bit differences into different codes, and low-bit weights
+        # round every matmul to bf16: under either, a verify tree's token must be computed
+        # bit for bit as a decode step at its position would compute it, or greedy speculation
+        # drifts from plain decoding at near-ties. Its attention then reads row by row
+        # (specfork/attention.py), and every matmul takes the row-count-invariant packed path.
+        turbo = bool(self.kv_codecs) and self.kv_codecs[0][0].rotated
+        self.rows_exact = low or turbo
         if low:
             pack = False                           # the format's own copy replaces the packing
         if pack is None:
@@ -221,10 +234,30 @@ class Model:
         self.packed_min_rows = 1
         if pack:
             ly = self.layers[0]
-            self.packed_min_rows = packed_from_rows([ly.qkv, ly.o, ly.gate_up, ly.down,
-                                                     self.lm_head])
+            self.packed_min_rows = 1 if self.rows_exact else packed_from_rows(
+                [ly.qkv, ly.o, ly.gate_up, ly.down, self.lm_head])
             for x in self.linears():
                 x.min_rows = self.packed_min_rows
+
+    @torch.inference_mode()
+    def calibrate_kv(self, ids: list[int]) -> None:
+        """Centre the keys of a TurboQuant KV format on their per-head mean over one forward of
+        `ids` (a text of no benchmark: `kv_calibration_ids`), taken at full precision. A no-op
+        for other formats."""
+        if not self.kv_codecs or not self.kv_codecs[0][0].rotated:
+            return
+        codecs, self.kv_codecs = self.kv_codecs, None
+        try:
+            pool = self.make_pool(num_blocks=len(ids))
+            slots = torch.arange(len(ids), device=self.device)
+            self.forward(torch.tensor(ids, device=self.device),
+                         torch.arange(len(ids), device=self.device), pool,
+                         AttnMeta.prefill(self, slots[:0], slots), logits_idx=slice(0, 0))
+        finally:
+            self.kv_codecs = codecs
+        keys = pool.k[:, 1:, 0].float()               # [layers, tokens - 1, KVH, D] post-RoPE
+        for (kc, _), mu in zip(codecs, keys.mean(1)):
+            kc.set_center(mu)
 
     def linears(self) -> list:
         """Every matmul of the forward (`Linear`, or `QuantLinear` under a low-bit format)."""
@@ -237,10 +270,11 @@ class Model:
 
     def make_pool(self, num_blocks: int | None = None, max_bytes: int | None = None,
                   block_size: int | None = None) -> BlockPool:
+        """A block pool in this model's KV format (`kv_cache`)."""
         block_size = block_size or self.block_size
         return BlockPool(self.num_layers, self.kv_heads, self.head_dim, block_size=block_size,
                          num_blocks=num_blocks, max_bytes=max_bytes, dtype=self.dtype,
-                         device=self.device)
+                         device=self.device, codecs=self.kv_codecs)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_tables(self.rotary, self.embed, positions)
@@ -273,10 +307,21 @@ class Model:
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, nqk:].view(T, KVH, D)
             kf, vf = pool.layer_slots(i)                                # [slots, KVH, D]
+            if pool.codecs is not None:          # stored, then read back: as every later read
+                kc, vc = pool.codecs[i]
+                (k, kr), (v, vr) = kc.encode_decode(k), vc.encode_decode(v)
             if write is not None:
                 kf.index_copy_(0, write, k if src is None else k.index_select(0, src))
                 vf.index_copy_(0, write, v if src is None else v.index_select(0, src))
-            a = meta.attend(q, k, v, kf, vf, self.scale)
+            if pool.codecs is None:
+                a = meta.attend(q, k, v, kf, vf, self.scale)
+            else:                                # TurboQuant: rotated query, rotated values
+                if kc.rotated:
+                    q = kc.rotate_query(q)
+                a = meta.attend(q, kr, vr, StoredSlots(kf, kc),
+                                StoredSlots(vf, vc), self.scale)
+                if vc.rotated:
+                    a = vc.unrotate(a)
             x = ly.o.add_to(x, a.reshape(T, nq))
             g, u = ly.gate_up(rms_norm(x, ly.ln2, self.eps)).chunk(2, dim=-1)
             x = ly.down.add_to(x, F.silu(g) * u)

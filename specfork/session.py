@@ -85,9 +85,8 @@ def copy_branch(kv: KVTree, src: Branch) -> Branch:
         kv.release(dst)
         raise
     frm = kv.slots(src).to(pool.k.device)
-    shape = (pool.num_layers, -1, pool.kv_heads, pool.head_dim)
-    for t in (pool.k, pool.v):
-        flat = t.view(shape)
+    for t in (pool.k, pool.v):                  # stored rows as they are (codes stay codes)
+        flat = t.view((pool.num_layers, -1) + tuple(t.shape[3:]))
         flat[:, to] = flat[:, frm]
     return dst
 

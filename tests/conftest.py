@@ -32,3 +32,48 @@ def mt_prompts():
 def he_prompts():
     from prompts import load_prompts
     return load_prompts("humaneval")
+
+
+def tiny_model(weights: str = "float32", kv_cache: str = "auto", hidden: int = 64):
+    """A 2-layer random Llama (vocab 96, 4 heads over 2 kv heads of hidden / 4) as our Model,
+    under a weight and a KV format; seeded, so every call builds the same weights."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from specfork.model import Model
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, initializer_range=0.05)
+    return Model(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval(),
+                 weights=weights, kv_cache=kv_cache)
+
+
+def tree_and_steps(m, P: int = 300):
+    """Over a P-token prefix, a verify tree (root -> a -> b and root -> c, two CoW forks) and
+    the decode steps of the path root, a, b: (tree logits [4, V], step logits [3][1, V], the
+    tree's keys [layers, 3, ...] as written, the steps' keys as written). Checks that the tree
+    took the row-by-row path."""
+    from specfork.attention import AttnMeta
+    from specfork.kv_tree import KVTree
+    g = torch.Generator().manual_seed(4)
+    prompt, path = torch.randint(0, 96, (P,), generator=g), torch.randint(0, 96, (3,),
+                                                                           generator=g)
+    pool = m.make_pool(num_blocks=P + 20)
+    kv = KVTree(pool)
+    B = kv.new_branch()
+    s = kv.append(B, P)
+    m.forward(prompt, torch.arange(P), pool, AttnMeta.prefill(m, s[:0], s))
+    toks = torch.tensor([int(path[0]), int(path[1]), int(path[2]), 7])
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
+    f1, f2 = kv.fork(B), kv.fork(B)
+    w = torch.cat((kv.append(f1, 3), kv.append(f2, 2)))
+    meta = AttnMeta.tree(m, kv.slots(B), mask, w, torch.tensor([0, 1, 2, 0, 3]))
+    assert meta.path == "rows"
+    tree = m.forward(toks, torch.tensor([P, P + 1, P + 2, P + 1]), pool, meta)
+    tree_k = pool.k[:, kv.slots(f1)[P:]].clone()
+    kv.release(f1)
+    kv.release(f2)
+    steps = []
+    for i, t in enumerate(path.tolist()):
+        meta = AttnMeta.prefill(m, kv.slots(B), kv.append(B, 1))
+        steps.append(m.forward(torch.tensor([t]), torch.tensor([P + i]), pool, meta))
+    return tree, steps, tree_k, pool.k[:, kv.slots(B)[P:]]

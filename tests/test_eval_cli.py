@@ -31,6 +31,8 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
     ("bench_cpu", ["--formats", "float32,int3"], "--formats: unknown ['int3']"),
     ("bench_cpu", ["--drafts", "0"], "must be positive"),
     ("profile_step", ["--tokens", "1"], "--tokens must be >= 2"),
+    ("bench_kv_quant", ["--formats", "float32,turbo9"], "unknown KV cache format 'turbo9'"),
+    ("bench_kv_quant", ["--prompts", "0"], "must be positive"),
 ])
 def test_bad_input_is_one_line(script, args, needle):
     p = subprocess.run([sys.executable, str(ROOT / "eval" / f"{script}.py"), *args],
@@ -143,3 +145,27 @@ def test_profile_step_end_to_end(tmp_path):
     f = res["formats"]["int4"]
     assert f["breakdown_ms"]["matmul"] > 0 and 0 < f["of_limit"] < 1
     assert abs(sum(f["breakdown_ms"].values()) - f["step_ms"]) < 0.01
+
+
+@pytest.mark.slow
+def test_bench_kv_quant_end_to_end(tmp_path):
+    """bench_kv_quant on one prompt, float32 and turbo3.5: speculation equals plain decoding
+    under each format, turbo3.5 stores 4.57x fewer bytes than float16 and its key distortion
+    lies under the 3-bit upper bound; the files name their command."""
+    stem = tmp_path / "kvq"
+    args = ["--formats", "turbo3.5", "--prompts", "1", "--max-new-tokens", "8",
+            "--long-tokens", "600", "--beam-tokens", "4", "--out", str(stem)]
+    p = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_kv_quant.py"), *args],
+                       capture_output=True, text=True, timeout=900, env=ENV)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(stem.with_suffix(".json").read_text())
+    assert res["command"] == "python eval/bench_kv_quant.py " + shlex.join(args)
+    f = res["formats"]
+    assert list(f) == ["float32", "turbo3.5"]
+    assert all(r["spec_exact"] == 1 and r["leaked_blocks"] == 0 for r in f.values())
+    t = f["turbo3.5"]
+    assert t["vs_float16_bytes"] == pytest.approx(128 / 28, rel=1e-3)
+    assert f["float32"]["ppl_ratio"] == 1.0 and 1.0 < t["ppl_ratio"] < 2.0
+    assert 0 < t["distortion"]["k"] < 0.0425 and t["kv_peak_8k_bytes"] > 0
+    assert stem.with_suffix(".png").is_file() and "| turbo3.5 |" in \
+        stem.with_suffix(".md").read_text()

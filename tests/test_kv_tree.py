@@ -1,20 +1,34 @@
-"""KV tree with real tensors: paths read like a linear cache, CoW isolates writers, accounting."""
+"""KV tree with real tensors: paths read like a linear cache, CoW isolates writers, accounting.
+Every test runs on a float pool and on a TurboQuant pool (uint8 codes + norms per slot)."""
 import pytest
 import torch
 
+from specfork.kv_quant import layer_codecs
 from specfork.kv_tree import BlockPool, BranchReleased, KVTree, PoolExhausted
 
-L, H, D, BS = 3, 2, 8, 16
+L, H, D, BS = 3, 2, 16, 16
+CODECS = None                      # per layer (key, value) codecs of the pool under test
+
+
+@pytest.fixture(autouse=True, params=["float32", "turbo3.5"])
+def pool_format(request, monkeypatch):
+    monkeypatch.setitem(globals(), "CODECS", layer_codecs(request.param, L, D, torch.float32))
+    return request.param
 
 
 def make(num_blocks: int = 64) -> tuple[BlockPool, KVTree]:
-    pool = BlockPool(L, H, D, block_size=BS, num_blocks=num_blocks)
+    pool = BlockPool(L, H, D, block_size=BS, num_blocks=num_blocks, codecs=CODECS)
     return pool, KVTree(pool)
 
 
 def rand(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V `[L, n, H, row]` as the pool stores them (floats, or their TurboQuant rows)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(L, n, H, D, generator=g), torch.randn(L, n, H, D, generator=g)
+    k, v = torch.randn(L, n, H, D, generator=g), torch.randn(L, n, H, D, generator=g)
+    if CODECS is None:
+        return k, v
+    return (torch.stack([c.encode(x) for (c, _), x in zip(CODECS, k)]),
+            torch.stack([c.encode(x) for (_, c), x in zip(CODECS, v)]))
 
 
 def put(tree: KVTree, br, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -226,10 +240,15 @@ def test_exhaustion_raises_and_leaves_everything_unchanged():
 
 
 def test_pool_sizing_dtype_and_accounting():
-    per_block = 2 * L * BS * H * D * 2               # bf16
-    pool = BlockPool(L, H, D, block_size=BS, max_bytes=10 * per_block + 5, dtype=torch.bfloat16)
+    if CODECS is None:
+        per_block, row, dtype = 2 * L * BS * H * D * 2, D, torch.bfloat16        # bf16
+    else:                          # turbo3.5 at D = 16: 56 bits = 7 bytes per vector
+        per_block, row, dtype = 2 * L * BS * H * 7, 7, torch.uint8
+    pool = BlockPool(L, H, D, block_size=BS, max_bytes=10 * per_block + 5, dtype=torch.bfloat16,
+                     codecs=CODECS)
     assert pool.num_blocks == 10 and pool.block_bytes == per_block
-    assert pool.k.shape == (L, 10, BS, H, D) and pool.k.dtype == torch.bfloat16
+    assert pool.block_bytes == (pool.k.nbytes + pool.v.nbytes) // 10
+    assert pool.k.shape == (L, 10, BS, H, row) and pool.k.dtype == dtype
     with pytest.raises(ValueError):
         BlockPool(L, H, D, block_size=BS, max_bytes=per_block - 1)
     with pytest.raises(ValueError):

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
+from specfork.kv_quant import layer_codecs
 from specfork.kv_tree import BlockPool, KVTree, PoolExhausted
 
 LAYERS, BS, NUM_BLOCKS, MAX_HANDLES = 2, 4, 16, 8
@@ -20,11 +21,26 @@ EXAMPLES, STEPS = 200, 75          # >= 10^4 operations in all (checked below)
 pick = st.integers(0, 63)
 
 
+CODECS = None     # a TurboQuant pool: slots hold uint8 rows (here 8 bytes: two floats' bytes)
+
+
 def kv(vals: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token values -> K, V `[layers, n, 1 head, 2]`, distinct per layer and channel."""
+    """Token values -> K, V `[layers, n, 1 head, row]`, distinct per layer and channel: two
+    floats, or on a TurboQuant pool the 8 bytes of those floats as its uint8 rows."""
     t = torch.tensor(vals, dtype=torch.float32).reshape(-1)
     k = torch.stack([torch.stack([t + l, t + l + 0.5], -1) for l in range(LAYERS)])
-    return k[:, :, None, :], -k[:, :, None, :]
+    k, v = k[:, :, None, :], -k[:, :, None, :]
+    if CODECS is not None:
+        k, v = k.contiguous().view(torch.uint8), v.contiguous().view(torch.uint8)
+    return k, v
+
+
+def make_pool() -> BlockPool:
+    if CODECS is None:
+        return BlockPool(LAYERS, 1, 2, block_size=BS, num_blocks=NUM_BLOCKS)
+    pool = BlockPool(LAYERS, 1, 16, block_size=BS, num_blocks=NUM_BLOCKS, codecs=CODECS)
+    assert pool.k.shape[-1] == 8 and pool.k.dtype == torch.uint8
+    return pool
 
 
 class Handle:
@@ -38,7 +54,7 @@ class KVTreeMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.pool = BlockPool(LAYERS, 1, 2, block_size=BS, num_blocks=NUM_BLOCKS)
+        self.pool = make_pool()
         self.tree = KVTree(self.pool)
         self.live: list[Handle] = []
         self.shared: dict[tuple[int, int], int] = {}   # lineage-shared prefix of two handles
@@ -232,8 +248,8 @@ class KVTreeMachine(RuleBasedStateMachine):
             assert len(h.br) == len(h.toks)
             slots = self.tree.slots(h.br)
             k, v = kv(h.toks)
-            kf = self.pool.k.view(LAYERS, -1, 1, 2)[:, slots]
-            vf = self.pool.v.view(LAYERS, -1, 1, 2)[:, slots]
+            kf = self.pool.k.view((LAYERS, -1) + k.shape[2:])[:, slots]
+            vf = self.pool.v.view((LAYERS, -1) + v.shape[2:])[:, slots]
             assert torch.equal(kf, k) and torch.equal(vf, v)
             for blk in self.tree.block_table(h.br):
                 readers[blk] += 1
@@ -250,10 +266,12 @@ class KVTreeMachine(RuleBasedStateMachine):
         assert self.pool.refcount == [0] * NUM_BLOCKS and len(set(self.pool.free)) == NUM_BLOCKS
 
 
-@pytest.mark.parametrize("bs,num_blocks", [(4, 16), (1, 64)])    # 64 tokens either way
-def test_kv_tree_state_machine(monkeypatch, bs, num_blocks):
+@pytest.mark.parametrize("bs,num_blocks,fmt", [(4, 16, "float32"), (1, 64, "float32"),
+                                               (4, 16, "turbo4")])    # 64 tokens each
+def test_kv_tree_state_machine(monkeypatch, bs, num_blocks, fmt):
     monkeypatch.setitem(globals(), "BS", bs)
     monkeypatch.setitem(globals(), "NUM_BLOCKS", num_blocks)
+    monkeypatch.setitem(globals(), "CODECS", layer_codecs(fmt, LAYERS, 16, torch.float32))
     KVTreeMachine.ops = 0
     run_state_machine_as_test(KVTreeMachine, settings=settings(
         max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,

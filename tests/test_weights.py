@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from conftest import tiny_model, tree_and_steps
 from specfork.errors import SpecforkError
 from specfork.weights import (GROUP, QuantLinear, check_weights, dequantize, quantize_int4,
                               quantize_int8, resolve)
@@ -67,14 +68,7 @@ def test_one_row_equals_its_row_in_a_batch(fmt):
 
 
 def _tiny_model(weights="float32", hidden=64):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-    from specfork.model import Model
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=1024, initializer_range=0.05)
-    return Model(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval(),
-                 weights=weights)
+    return tiny_model(weights, hidden=hidden)
 
 
 @pytest.mark.parametrize("fmt", LOW)
@@ -118,33 +112,9 @@ def test_verify_rows_equal_decode_steps_bit_for_bit(fmt):
     64) gives each row exactly the logits the decode step at its position gives: the same keys
     in the same order through the same op. (Through the masked bmm's instead, int4's rows part
     from the decode steps' by a bf16 step here.)"""
-    from specfork.attention import AttnMeta
-    from specfork.kv_tree import KVTree
     m = _tiny_model(fmt, hidden=256)
     assert m.rows_exact and not _tiny_model().rows_exact
-    P = 300
-    g = torch.Generator().manual_seed(4)
-    prompt, path = torch.randint(0, 96, (P,), generator=g), torch.randint(0, 96, (3,),
-                                                                           generator=g)
-    pool = m.make_pool(num_blocks=P + 20)
-    kv = KVTree(pool)
-    B = kv.new_branch()
-    s = kv.append(B, P)
-    m.forward(prompt, torch.arange(P), pool, AttnMeta.prefill(m, s[:0], s))
-    # the tree: root -> a -> b, and root -> c; rows in order root, a, b, c
-    toks = torch.tensor([int(path[0]), int(path[1]), int(path[2]), 7])
-    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
-    f1, f2 = kv.fork(B), kv.fork(B)
-    w = torch.cat((kv.append(f1, 3), kv.append(f2, 2)))
-    meta = AttnMeta.tree(m, kv.slots(B), mask, w, torch.tensor([0, 1, 2, 0, 3]))
-    assert meta.path == "rows"
-    tree = m.forward(toks, torch.tensor([P, P + 1, P + 2, P + 1]), pool, meta)
-    kv.release(f1)
-    kv.release(f2)
-    steps = []
-    for i, t in enumerate(path.tolist()):
-        meta = AttnMeta.prefill(m, kv.slots(B), kv.append(B, 1))
-        steps.append(m.forward(torch.tensor([t]), torch.tensor([P + i]), pool, meta))
+    tree, steps, _, _ = tree_and_steps(m)
     assert all(torch.equal(tree[i], steps[i][0]) for i in range(3))
 
 
