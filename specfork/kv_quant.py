@@ -162,6 +162,29 @@ class FloatCodec:
         return rows, self.decode(rows)
 
 
+def _unit_lut(bits: int, table: torch.Tensor):
+    """Decoding b-bit codes stored in bit planes (`pack_bits`) a unit at a time: u = 8 / w0
+    consecutive codes (w0 the widest plane) take one field of u * w bits from each plane w;
+    their concatenated bits (at most 16) index a table `[2**(u*b), u]` of the centroids
+    themselves. One gather per unit replaces a shift, mask and lookup per code and plane.
+    Returns (lut, [(plane width, field offset in the index, byte shifts or None)])."""
+    planes = _planes(bits)
+    u = 8 // planes[0]
+    fields, off, lo = [], 0, 0
+    idx = torch.arange(1 << (u * bits))
+    codes = torch.zeros(idx.numel(), u, dtype=torch.long)
+    for w in planes:
+        f = (idx >> off) & ((1 << (u * w)) - 1)
+        for c in range(u):
+            codes[:, c] |= ((f >> (c * w)) & ((1 << w) - 1)) << lo
+        per = 8 // (u * w)                   # fields per byte of this plane
+        shifts = None if per == 1 else torch.arange(0, 8, u * w, dtype=torch.uint8,
+                                                    device=table.device)
+        fields.append((w, off, shifts))
+        off, lo = off + u * w, lo + w
+    return table[codes.to(table.device)], fields
+
+
 class TurboCodec:
     """TurboQuant codes for one layer's keys or values: `encode` `[N, KVH, D]` float ->
     `[N, KVH, nbytes]` uint8 (norm, codes and, for prod, |r| and the QJL signs, all inside);
@@ -198,6 +221,8 @@ class TurboCodec:
             self.S = torch.randn(D, D, generator=g).to(device)           # [D, D]
             self.qjl = (self.S * (math.sqrt(math.pi / 2) / D)).to(dtype)
         self.code_bytes = sum(n * bits for _, n, bits in self.groups) // 8
+        self.luts = [_unit_lut(bits, t.to(device, dtype)) for (_, _, bits), t in
+                     zip(self.groups, tables)]
         self.nbytes = 2 + self.code_bytes + (2 + D // 8 if prod else 0)
         self.row = (self.nbytes,)
 
@@ -227,6 +252,33 @@ class TurboCodec:
         xf = xf.reshape(-1, self.D)
         norm = xf.norm(dim=-1, keepdim=True)
         y = (xf / norm.clamp_min(1e-30)) @ self.RT                  # rotated unit rows [N, D]
+        rows, c, scale = self._code_rows(y, norm)
+        return rows.view(*shape, self.nbytes), c, scale
+
+    def encode_decode_pair(self, vc: "TurboCodec", k: torch.Tensor, v: torch.Tensor):
+        """`encode_decode` of a layer's keys (self) and values (`vc`, the same format) in one
+        pass over both: a decode step's K and V are a few rows each, where the number of ops,
+        not their size, sets the time. Returns ((k rows, k decoded), (v rows, v decoded))."""
+        if self.prod or vc.prod or self.groups != vc.groups:
+            return self.encode_decode(k), vc.encode_decode(v)
+        shape = k.shape[:-1]
+        kf = k.float() if self.center is None else k.float() - self.center
+        xf = torch.stack((kf.reshape(-1, self.D), v.float().reshape(-1, self.D)))   # [2, N, D]
+        norm = xf.norm(dim=-1, keepdim=True)
+        y = torch.bmm(xf / norm.clamp_min(1e-30), self._pair_rt(vc))
+        rows, c, scale = self._code_rows(y.flatten(0, 1), norm.flatten(0, 1))
+        dec = (c.to(self.dtype) * scale.half().to(self.dtype)).view(2, *shape, self.D)
+        rows = rows.view(2, *shape, self.nbytes)
+        return (rows[0], dec[0]), (rows[1], dec[1])
+
+    def _pair_rt(self, vc: "TurboCodec") -> torch.Tensor:
+        if getattr(self, "_rt2", None) is None or self._rt2_of is not vc:
+            self._rt2, self._rt2_of = torch.stack((self.RT, vc.RT)), vc
+        return self._rt2
+
+    def _code_rows(self, y: torch.Tensor, norm: torch.Tensor):
+        """Rotated unit rows `[N, D]` and their norms `[N, 1]` -> (stored rows `[N, nbytes]`,
+        decoded unit rows, stored scale)."""
         idx = self._codes(y)
         c = self.table.float()[idx + self.offset]                    # decoded unit rows
         scale = None
@@ -240,7 +292,7 @@ class TurboCodec:
             scale = norm / (y * c).sum(-1, keepdim=True).clamp_min(1e-6)
             parts = [scale.half().view(torch.uint8)]
             parts += [pack_bits(idx[:, s:s + n], bits) for s, n, bits in self.groups]
-        return torch.cat(parts, -1).view(*shape, self.nbytes), c, scale
+        return torch.cat(parts, -1), c, scale
 
     def encode_decode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`encode(x)` and `decode` of it, the decode taken from the encoder's own codes (the
@@ -256,13 +308,19 @@ class TurboCodec:
         shape = rows.shape[:-1]
         r = rows.reshape(-1, self.nbytes)
         norm = r[:, :2].contiguous().view(torch.float16).to(self.dtype)     # [N, 1]
-        at, idx = 2, []
-        for _, n, bits in self.groups:
-            m = n * bits // 8
-            idx.append(unpack_bits(r[:, at:at + m], bits, n))
-            at += m
-        idx = torch.cat(idx, -1).long() if len(idx) > 1 else idx[0].long()
-        y = self.table[idx + self.offset]                              # [N, D]
+        at, ys = 2, []
+        for (_, n, bits), (lut, fields) in zip(self.groups, self.luts):
+            index = None                     # each unit's bits from every plane, one number
+            for w, off, shifts in fields:
+                m = n * w // 8
+                b = r[:, at:at + m]
+                f = b if shifts is None else ((b[..., None] >> shifts)
+                                              & ((1 << (8 // shifts.numel())) - 1)).flatten(-2)
+                f = f.long() if off == 0 else f.long() << off
+                index = f if index is None else index | f
+                at += m
+            ys.append(lut[index].flatten(-2))                         # [N, n] centroids
+        y = torch.cat(ys, -1) if len(ys) > 1 else ys[0]                # [N, D]
         if self.prod:
             rn = r[:, at:at + 2].contiguous().view(torch.float16).to(self.dtype)
             s = unpack_bits(r[:, at + 2:], 1, self.D).to(self.dtype) * 2 - 1

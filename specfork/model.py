@@ -309,7 +309,10 @@ class Model:
             kf, vf = pool.layer_slots(i)                                # [slots, KVH, D]
             if pool.codecs is not None:          # stored, then read back: as every later read
                 kc, vc = pool.codecs[i]
-                (k, kr), (v, vr) = kc.encode_decode(k), vc.encode_decode(v)
+                if kc.rotated:
+                    (k, kr), (v, vr) = kc.encode_decode_pair(vc, k, v)
+                else:
+                    (k, kr), (v, vr) = kc.encode_decode(k), vc.encode_decode(v)
             if write is not None:
                 kf.index_copy_(0, write, k if src is None else k.index_select(0, src))
                 vf.index_copy_(0, write, v if src is None else v.index_select(0, src))
