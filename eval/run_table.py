@@ -39,7 +39,7 @@ MiB = 2 ** 20
 SETS = {"mtbench": "MT-bench", "humaneval": "HumanEval"}
 ROW_KEYS = ["seq", "hf_greedy", "beam_naive", "beam_fork", "hf_beam", "spec1", "hf_assisted",
             "hf_assisted_k",
-            "hf_lookup", "multi", "eagle", "eagle_ngram"]
+            "hf_lookup", "multi", "eagle", "eagle_ngram", "beam_fork_kv", "multi_kv"]
 README_BEGIN, README_END = "<!-- run_table:begin -->", "<!-- run_table:end -->"
 
 
@@ -72,6 +72,9 @@ def _args(argv):
                         "(default: adaptive drafting, as `specfork generate` runs)")
     p.add_argument("--lookup-tokens", type=int, default=10,
                    help="HF prompt_lookup_num_tokens (HF's documented example value)")
+    p.add_argument("--kv-cache", default="turbo3.5",
+                   help="the KV format of the last two rows (fork search and multi-draft "
+                        "speculation on a compressed pool; default turbo3.5)")
     p.add_argument("--rows", default=None,
                    help="comma-separated subset of " + ",".join(ROW_KEYS) + " (default: all)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
@@ -400,6 +403,7 @@ def build_rows(a, model, tok, draft_hf, draft_tag: str, longest: int) -> list[Ro
             a.paths, False, om, ours(multi), "greedy", reserved=reserved_bytes(multi)),
     ]
     rows += eagle_rows(a, model, tok, room, ot)
+    rows += kv_rows(a, model, tok, [NgramDrafter(), engine_draft], L, room, om)
     assert [r.key for r in rows] == ROW_KEYS
     return [r for r in rows if r.key in a.rows]
 
@@ -435,6 +439,31 @@ def eagle_rows(a, model, tok, room: int, target_bytes: int) -> list[Row]:
                         target_bytes + own, ours(dec), "greedy",
                         reserved=reserved_bytes(dec)))
     return rows
+
+
+def kv_rows(a, model, tok, drafters: list, L: int, room: int, weights: int) -> list[Row]:
+    """Fork search and multi-draft speculation (the rows above) with the target's KV pool in
+    `--kv-cache` (TurboQuant codes): the same weights, another KV format, so lossy against HF;
+    speculation on it equals plain decoding on it (results/kv_quant)."""
+    from specfork.decoder import SpecDecoder
+    from specfork.kv_quant import calibration_ids
+    from specfork.model import Model
+    names = {"beam_fork_kv": f"fork search, width {a.beams} (CoW forks), {a.kv_cache} KV",
+             "multi_kv": f"multi-draft speculative decoding, {a.paths} draft paths, "
+                         f"{a.kv_cache} KV (ours)"}
+    try:
+        m = Model(model.hf, kv_cache=a.kv_cache)
+        m.calibrate_kv(calibration_ids(tok))
+    except Exception as e:               # a format this head size cannot take
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return [Row(k, n, 1, False, weights, None, None, error=why) for k, n in names.items()]
+    beam_dec = SpecDecoder(m, tok, max_kv_tokens=a.beams * (L + 32))
+    multi = SpecDecoder(m, tok, drafters, num_paths=a.paths, draft_len=a.draft_len,
+                        max_kv_tokens=room, adaptive=a.adaptive)
+    return [Row("beam_fork_kv", names["beam_fork_kv"], a.beams, False, weights,
+                beams(beam_dec, a.beams, False), None, reserved=reserved_bytes(beam_dec)),
+            Row("multi_kv", names["multi_kv"], a.paths, False, weights, ours(multi), None,
+                reserved=reserved_bytes(multi))]
 
 
 def run_all(rows: list[Row], prompts: list[dict], n: int, deadline: float | None) -> list[dict]:
@@ -490,7 +519,7 @@ def summarize(rows: list[Row], prompts: list[dict]) -> list[dict]:
             "beam": by["hf_beam"].runs if "hf_beam" in by else {}}
     out = []
     for r in rows:
-        runs, ref = r.runs, refs[r.check]
+        runs, ref = r.runs, refs.get(r.check, {})           # check None: no reference
         reference = ref is r.runs                # HF greedy / HF beam: what the others match
         pairs = [] if reference else [(pid, x.tokens == ref[pid].tokens)
                                       for pid, x in runs.items() if pid in ref]
@@ -626,7 +655,16 @@ def markdown(res: dict) -> str:
                   f"1-min load average at start {_f(m['loadavg_1m_start'], '.1f')}.",
               f"Command: `{res['command']}`", f"Date: {res['date']} (run took "
               f"{res['elapsed_s'] / 60:.1f} min)", ""]
-    ran = [r for r in res["rows"] if not r["error"] and not r.get("reference")]
+    kv = [r for r in res["rows"] if r["key"].endswith("_kv") and not r["error"]]
+    if kv:
+        lines += [f"Rows {', '.join(str(ROW_KEYS.index(r['key']) + 1) for r in kv)} hold the "
+                  f"target's KV in {c.get('kv_cache')} (TurboQuant codes): lossy, so not "
+                  "compared with HF; KV peak against a float16 sequential greedy pool: "
+                  + ", ".join(f"{r['strategy'].split(',')[0]} "
+                              f"{_f(r.get('kv_vs_float16_sequential'), '.2f')}×" for r in kv)
+                  + ".", ""]
+    ran = [r for r in res["rows"] if not r["error"] and not r.get("reference")
+           and not r["key"].endswith("_kv")]
     if res["warnings"]:
         lines += ["Checks:", ""] + [f"- WARNING: {w}" for w in res["warnings"]]
     else:
@@ -791,7 +829,7 @@ def _run(a, command: str, t_start: float, host: dict) -> int:
                    "prompt_ids": [p["id"] for p in prompts], "prompts_planned": planned,
                    "budget_min": a.budget_min, "beams": a.beams,
                    "draft_paths": a.paths, "draft_len": a.draft_len,
-                   "adaptive_drafting": a.adaptive,
+                   "adaptive_drafting": a.adaptive, "kv_cache": a.kv_cache,
                    "draft_min_conf": MIN_CONF, "kv_block_size": model.block_size,
                    "multi_draft_dtype": getattr(a, "multi_draft_dtype", None),
                    "multi_draft_vocab": getattr(a, "multi_draft_vocab", None),
@@ -801,6 +839,10 @@ def _run(a, command: str, t_start: float, host: dict) -> int:
                                          "num_assistant_tokens_schedule": "constant",
                                          "assistant_confidence_threshold": MIN_CONF}},
     }
+    elsize = torch.empty((), dtype=hf.dtype).element_size()
+    for r in res["rows"]:        # KV against sequential greedy's pool as float16 would hold it
+        x = r["kv_mem_vs_sequential"]
+        r["kv_vs_float16_sequential"] = None if x is None else x * elsize / 2
     res["warnings"] = check(res["rows"])
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -33,19 +33,37 @@ class Linear:
     verification (tree-size rows) then run near memory bandwidth, 1.6-2.8x faster than
     F.linear, whose sgemm re-packs the weights on every call (results/linear_cpu.json, from
     eval/bench_linear.py)."""
-    __slots__ = ("w", "b", "packed", "min_rows")
+    __slots__ = ("w", "b", "packed", "min_rows", "exact")
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None, pack: bool = False,
                  min_rows: int = 1):
         self.w, self.b = w, b
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) if pack else None
         self.min_rows = min_rows        # fewer rows go to F.linear (`packed_from_rows`)
+        self.exact = False              # row-invariant: `Model.rows_exact` (see `_blocks`)
 
     def _packed_for(self, rows: int) -> bool:
         return self.packed is not None and self.min_rows <= rows <= MAX_PACKED_ROWS
 
+    def _blocks(self, x: torch.Tensor, fn, res: torch.Tensor | None = None) -> torch.Tensor:
+        """`fn` over x's rows in calls of exactly EXACT_ROWS rows (the last padded with
+        zeros): the packed kernel gives a row the same bits wherever it sits in such a call,
+        but not across calls of other sizes, so a verify tree's row then equals the decode
+        step's one-row product bit for bit."""
+        T, B = x.shape[0], EXACT_ROWS
+        pad = -T % B
+        if pad:
+            x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+            res = None if res is None else torch.cat((res, res.new_zeros(pad, res.shape[1])))
+        outs = [fn(x[i:i + B]) if res is None else fn(x[i:i + B], res[i:i + B])
+                for i in range(0, T + pad, B)]
+        return (outs[0] if len(outs) == 1 else torch.cat(outs))[:T]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed_for(x.shape[0]):
+            if self.exact:
+                return self._blocks(x, lambda a: torch.ops.mkldnn._linear_pointwise(
+                    a, self.packed, self.b, "none", [], ""))
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
         return F.linear(x, self.w, self.b)
 
@@ -58,6 +76,9 @@ class Linear:
     def add_to(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """x + self(a): the residual add folded into the matmul."""
         if self._packed_for(a.shape[0]):
+            if self.exact:
+                return self._blocks(a, lambda ai, xi: torch.ops.mkldnn._linear_pointwise.binary(
+                    ai, xi, self.packed, self.b, "add"), x)
             return torch.ops.mkldnn._linear_pointwise.binary(a, x, self.packed, self.b, "add")
         if self.b is not None:
             return x + F.linear(a, self.w, self.b)
@@ -66,6 +87,7 @@ class Linear:
 
 PACK_ROWS = 8              # oneDNN's layout hint: the row count the packing is tuned for
 MAX_PACKED_ROWS = 32       # decode, beams, draft trees; longer prompt prefills keep HF's GEMM
+EXACT_ROWS = 8             # rows per packed call when products must not depend on the row count
 _PACKED_FROM: dict = {}    # (shapes, dtype, threads) -> packed_from_rows' answer, per process
 
 
@@ -197,13 +219,14 @@ class Model:
                                       self.device)
         self.weights = resolve(weights, self.device)
         low = self.weights != "float32"
-        # Quantized K/V turn last-bit differences into different codes, and low-bit weights
+        # A stored K/V format other than the model's dtype (float16 or TurboQuant codes) turns
+        # last-bit differences into different stored values, and low-bit weights
         # round every matmul to bf16: under either, a verify tree's token must be computed
         # bit for bit as a decode step at its position would compute it, or greedy speculation
         # drifts from plain decoding at near-ties. Its attention then reads row by row
-        # (specfork/attention.py), and every matmul takes the row-count-invariant packed path.
-        turbo = bool(self.kv_codecs) and self.kv_codecs[0][0].rotated
-        self.rows_exact = low or turbo
+        # (specfork/attention.py), and every matmul of up to MAX_PACKED_ROWS rows runs packed in
+        # calls of exactly EXACT_ROWS rows (`Linear._blocks`), whatever the row count.
+        self.rows_exact = low or self.kv_codecs is not None
         if low:
             pack = False                           # the format's own copy replaces the packing
         if pack is None:
@@ -238,6 +261,7 @@ class Model:
                 [ly.qkv, ly.o, ly.gate_up, ly.down, self.lm_head])
             for x in self.linears():
                 x.min_rows = self.packed_min_rows
+                x.exact = self.rows_exact
 
     @torch.inference_mode()
     def calibrate_kv(self, ids: list[int]) -> None:

@@ -23,7 +23,7 @@ def test_run_table_tiny(tmp_path):
     from specfork.loader import load_tokenizer
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
                       initializer_range=0.5, bos_token_id=1, eos_token_id=2, pad_token_id=2,
                       tie_word_embeddings=True)
     target = tmp_path / "tiny"
@@ -50,7 +50,8 @@ def test_run_table_tiny(tmp_path):
     rows = res["rows"]
     assert [r["key"] for r in rows] == ["seq", "hf_greedy", "beam_naive", "beam_fork", "hf_beam",
                                         "spec1", "hf_assisted", "hf_assisted_k", "hf_lookup",
-                                        "multi", "eagle", "eagle_ngram"]
+                                        "multi", "eagle", "eagle_ngram", "beam_fork_kv",
+                                        "multi_kv"]
     for r in rows:
         assert r["error"] is None, r
         assert isinstance(r["strategy"], str) and r["strategy"]
@@ -78,6 +79,12 @@ def test_run_table_tiny(tmp_path):
     assert by["seq"]["weights_bytes"] > 1.9 * by["hf_greedy"]["weights_bytes"]
     assert by["seq"]["kv_reserved_bytes"] >= by["seq"]["kv_peak_bytes"] > 0
     assert by["beam_naive"]["kv_mem_vs_sequential"] > by["beam_fork"]["kv_mem_vs_sequential"]
+    # turbo3.5 at head_dim 16: 7 bytes a vector against float32's 64 (float16's 32)
+    for k in ("beam_fork_kv", "multi_kv"):
+        assert by[k]["matches_hf_greedy"] is None and by[k]["matches_hf_beam"] is None
+    assert by["beam_fork_kv"]["kv_peak_bytes"] < 0.2 * by["beam_fork"]["kv_peak_bytes"]
+    assert by["beam_fork_kv"]["kv_vs_float16_sequential"] == \
+        by["beam_fork_kv"]["kv_mem_vs_sequential"] * 2
     assert res["config"]["draft"].startswith("self-draft")
     md = (out / "table.md").read_text()
     assert "sequential greedy (ours)" in md and "Command: `python eval/run_table.py" in md

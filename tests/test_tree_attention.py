@@ -372,3 +372,40 @@ def test_long_prompt_decodes_from_its_run_exactly(monkeypatch):
             assert out.token_ids == ref and out.stats["kv_blocks_leaked"] == 0
             decode = [r for path, r in runs if path == "decode"]      # trees here: two bmm's
             assert decode and all(r is not None and r[0] == 0 and r[1] >= 100 for r in decode)
+
+
+@pytest.mark.parametrize("fmt", ["turbo3.5", "float16"])
+def test_compressed_pool_through_the_paged_kernel(monkeypatch, fmt):
+    """A verify tree over a compressed pool as on a GPU: the prefix decoded from its codes in
+    one gather, then the Triton kernel (under the interpreter) over it; logits equal the CPU
+    paths' over the same codes."""
+    from conftest import tiny_model
+    from specfork.attention import AttnMeta
+    from specfork.kv_tree import KVTree
+    model = tiny_model(kv_cache=fmt, hidden=128)
+    model.rows_exact = False                  # as on a GPU (row-by-row exactness is the CPU's)
+    g = torch.Generator().manual_seed(5)
+    prompt, toks = torch.randint(0, 96, (40,), generator=g), torch.randint(0, 96, (4,),
+                                                                           generator=g)
+    mask = ancestor_mask([-1, 0, 1, 0])
+
+    def verify():
+        pool = model.make_pool(num_blocks=60)
+        kv = KVTree(pool)
+        b = kv.new_branch()
+        s = kv.append(b, 40)
+        model.forward(prompt, torch.arange(40), pool, AttnMeta.prefill(model, s[:0], s))
+        f1, f2 = kv.fork(b), kv.fork(b)
+        w = torch.cat((kv.append(f1, 3), kv.append(f2, 2)))
+        meta = AttnMeta.tree(model, kv.slots(b), mask, w, torch.tensor([0, 1, 2, 0, 3]))
+        out = model.forward(toks, torch.tensor([40, 41, 42, 41]), pool, meta)
+        return meta.path, out, pool.k[:, kv.slots(f1)].clone()
+
+    cpu_path, cpu_logits, cpu_k = verify()
+    calls = []
+    _as_on_gpu(monkeypatch, calls)
+    gpu_path, gpu_logits, gpu_k = verify()
+    assert cpu_path in ("masked", "cascade") and gpu_path == "paged"
+    assert calls == [40, 40]                                     # both layers
+    torch.testing.assert_close(gpu_logits, cpu_logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(gpu_k[0], cpu_k[0])           # layer 0's codes; the rest follow paths
