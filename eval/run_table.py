@@ -664,7 +664,7 @@ def markdown(res: dict) -> str:
                               f"{_f(r.get('kv_vs_float16_sequential'), '.2f')}×" for r in kv)
                   + ".", ""]
     ran = [r for r in res["rows"] if not r["error"] and not r.get("reference")
-           and not r["key"].endswith("_kv")]
+           and (r["matches_hf_greedy"] is not None or r["matches_hf_beam"] is not None)]
     if res["warnings"]:
         lines += ["Checks:", ""] + [f"- WARNING: {w}" for w in res["warnings"]]
     else:
