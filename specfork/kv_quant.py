@@ -1,6 +1,6 @@
 """KV cache formats: float (float32/bfloat16/float16) and TurboQuant codes (Zandieh et al. 2025).
 
-TurboQuant stores a K/V vector x `[D]` as its norm (fp16) and the codes of u = R x / |x|, R a
+TurboQuant stores a K/V vector x `[D]` as a scale (fp16) and the codes of u = R x / |x|, R a
 fixed random rotation (a randomized Hadamard transform when D is a power of two, seeded per
 layer). Rotated, every coordinate of a unit vector has the same known density,
 f(t) ~ (1 - t^2)^((D-3)/2) on [-1, 1] (about N(0, 1/D)), so one precomputed Lloyd-Max codebook
@@ -10,12 +10,13 @@ Two refinements, both free in bytes:
 - The stored scale is not |x| but |x| / (u . c), c the decoded unit vector: a Lloyd-Max decode
   is shorter than the vector it codes (its error is orthogonal to the centroid, not to x), so
   |x| * c shrinks every inner product by about the distortion; this scale makes the decode's
-  component along x exact (as RaBitQ's estimator does). Embedded target, turbo3.5: perplexity
-  ratio 1.185 -> 1.153 (eval/bench_kv_quant.py).
+  component along x exact (as RaBitQ's estimator does).
 - Keys may be centred on a per-head mean `center` (`Model.calibrate_kv`): every score of one
   query then moves by the same q . center, which softmax ignores, so the mean is never added
-  back. The keys of the embedded target are 60-90% one constant direction per head; without
-  centring, turbo3.5 keys alone cost 1.34x perplexity, with it 1.18x.
+  back. The keys of the embedded target are 60-90% one constant direction per head, energy
+  the codes would otherwise spend their error on.
+Both lowered the embedded target's perplexity under turbo3.5 in trials on held-out text; what
+the shipped formats give is in results/kv_quant.md (eval/bench_kv_quant.py).
 
 A rate is bits per stored coordinate with everything counted (norms, residual norms, sign
 bits): turbo3.5 at D=64 is 224 bits = 28 bytes per vector, 4.57x fewer than float16. After the
