@@ -183,8 +183,15 @@ class AttnMeta:
         if self.path == CAUSAL:
             return causal_attention(q, k, v, scale)
         if self.path == PAGED and not isinstance(k_slots, torch.Tensor):
-            # a compressed pool: the prefix decoded in one gather, then the same kernel over
-            # it as one-token pages in order (the kernel does not read codes itself yet)
+            kl, vl = _kernel_layout(k_slots.codec, q), _kernel_layout(v_slots.codec, q)
+            if kl is not None and vl is not None:     # TurboQuant: the kernel decodes pages
+                pages = (-1, 1) + tuple(k_slots.raw.shape[1:])
+                return tree_attention(q, k_slots.raw.view(pages),
+                                      v_slots.raw.view((-1, 1) + tuple(v_slots.raw.shape[1:])),
+                                      self.table, self.prefix_len, k, v, self.tree_mask,
+                                      scale, codes=kl + vl)
+            # other stored formats: the prefix decoded in one gather, then the same kernel
+            # over it as one-token pages in order
             kp, vp = k_slots.index_select(0, self.read), v_slots.index_select(0, self.read)
             pages = (-1, 1) + tuple(kp.shape[1:])
             table = torch.arange(kp.shape[0], dtype=torch.int32, device=kp.device)
@@ -198,6 +205,12 @@ class AttnMeta:
         if self.path == MASKED:
             return masked_attention(q, kp, vp, k, v, self.bias, scale)
         return tree_attention_torch(q, kp, vp, k, v, self.tree_mask, scale, tree_bias=self.bias)
+
+
+def _kernel_layout(codec, q: torch.Tensor):
+    """The layout the Triton kernel decodes `codec`'s rows with, where it runs (CUDA)."""
+    layout = getattr(codec, "kernel_layout", None)
+    return layout() if layout is not None and q.is_cuda else None
 
 
 def _to_device(dev: torch.device, *ts: torch.Tensor | None) -> tuple:

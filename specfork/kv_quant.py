@@ -328,6 +328,30 @@ class TurboCodec:
             y = y + rn * (s @ self.qjl)
         return (y * norm).view(*shape, self.D)
 
+    def kernel_layout(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(layout `[planes, 5, D]` int32, centroid table) for the Triton kernel to decode
+        these rows itself (`_load_codes`): per plane and coordinate, the byte of the row
+        holding its bits, their shift and mask, where they go in the code, and the
+        coordinate's offset into the table. None for prod (its QJL term needs a matmul)."""
+        if self.prod:
+            return None
+        if getattr(self, "_layout", None) is None:
+            P = max(len(_planes(b)) for _, _, b in self.groups)
+            lay = torch.zeros(P, 5, self.D, dtype=torch.int32)
+            at = 2
+            for start, n, bits in self.groups:
+                lo = 0
+                for j, w in enumerate(_planes(bits)):
+                    c = torch.arange(n)
+                    lay[j, 0, start:start + n] = at + c * w // 8
+                    lay[j, 1, start:start + n] = c * w % 8
+                    lay[j, 2, start:start + n] = (1 << w) - 1
+                    lay[j, 3, start:start + n] = lo
+                    at, lo = at + n * w // 8, lo + w
+            lay[:, 4] = self.offset.to(torch.int32).cpu()
+            self._layout = (lay.to(self.table.device), self.table.float().contiguous())
+        return self._layout
+
     def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
         """q `[T, H, D]` into the keys' rotated space."""
         return q @ self.RT_

@@ -409,3 +409,45 @@ def test_compressed_pool_through_the_paged_kernel(monkeypatch, fmt):
     assert calls == [40, 40]                                     # both layers
     torch.testing.assert_close(gpu_logits, cpu_logits, atol=1e-4, rtol=1e-4)
     assert torch.equal(gpu_k[0], cpu_k[0])           # layer 0's codes; the rest follow paths
+
+
+@pytest.mark.parametrize("fmt", ["turbo3.5", "turbo4", "turbo2.5"])
+def test_triton_kernel_decodes_turbo_pages(monkeypatch, fmt):
+    """The Triton prefix kernel reading TurboQuant pages itself (bytes -> codes -> centroids
+    x scale, under the interpreter) equals the torch cascade over the same pages decoded by
+    the codec, for a pool in one-token pages and a scattered block table."""
+    from conftest import tiny_model
+    import specfork.attention as sa
+    from specfork.attention import AttnMeta
+    from specfork.kv_tree import KVTree
+    model = tiny_model(kv_cache=fmt, hidden=128)
+    model.rows_exact = False
+    g = torch.Generator().manual_seed(6)
+    prompt, toks = torch.randint(0, 96, (45,), generator=g), torch.randint(0, 96, (3,),
+                                                                           generator=g)
+    mask = ancestor_mask([-1, 0, 0])
+
+    def verify():
+        pool = model.make_pool(num_blocks=80)
+        kv = KVTree(pool)
+        junk = kv.new_branch()
+        kv.append(junk, 7)                               # the prompt's slots start at 7
+        b = kv.new_branch()
+        s = kv.append(b, 45)
+        model.forward(prompt, torch.arange(45), pool, AttnMeta.prefill(model, s[:0], s))
+        f1, f2 = kv.fork(b), kv.fork(b)
+        w = torch.cat((kv.append(f1, 2), kv.append(f2, 1)))
+        meta = AttnMeta.tree(model, kv.slots(b), mask, w, torch.tensor([0, 1, 0]))
+        return meta.path, model.forward(toks, torch.tensor([45, 46, 46]), pool, meta)
+
+    cpu_path, cpu_logits = verify()
+    layouts = []
+    pick = sa.pick_path                                  # the verify as on a GPU
+    monkeypatch.setattr(sa, "pick_path", lambda T, L, **kw: pick(T, L, **kw) if kw["causal"]
+                        else sa.PAGED)
+    monkeypatch.setattr(sa, "_kernel_layout",
+                        lambda codec, q: layouts.append(1) or codec.kernel_layout())
+    gpu_path, gpu_logits = verify()
+    assert cpu_path in ("masked", "cascade") and gpu_path == "paged"
+    assert len(layouts) == 4                              # K and V of both layers
+    torch.testing.assert_close(gpu_logits, cpu_logits, atol=1e-4, rtol=1e-4)

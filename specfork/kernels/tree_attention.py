@@ -125,13 +125,14 @@ def __getattr__(name: str):
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    block_table: torch.Tensor, prefix_len: int, k_tree: torch.Tensor,
                    v_tree: torch.Tensor, tree_mask: torch.Tensor | None,
-                   scale: float | None = None) -> torch.Tensor:
-    """Paged tree attention -> `[T, H, D]`: Triton on CUDA (reads the pages in place),
-    otherwise gather + the torch path."""
-    if q.is_cuda and _HAS_TRITON:
+                   scale: float | None = None, codes: tuple | None = None) -> torch.Tensor:
+    """Paged tree attention -> `[T, H, D]`: Triton on CUDA (reads the pages in place; with
+    `codes`, TurboQuant pages it decodes itself, see `tree_attention_triton`), otherwise
+    gather + the torch path."""
+    if codes is not None or (q.is_cuda and _HAS_TRITON):
         from .triton_tree_attention import tree_attention_triton
         return tree_attention_triton(q, k_cache, v_cache, block_table, prefix_len,
-                                     k_tree, v_tree, tree_mask, scale)
+                                     k_tree, v_tree, tree_mask, scale, codes=codes)
     k_prefix = gather_prefix(k_cache, block_table, prefix_len)
     v_prefix = gather_prefix(v_cache, block_table, prefix_len)
     return tree_attention_torch(q, k_prefix, v_prefix, k_tree, v_tree, tree_mask, scale)

@@ -54,17 +54,43 @@ def _softmax_step(m_i, l_i, acc, s, v, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def _load_codes(ROWS, row_off, n_ok, offs_d, LAY, TAB, HEAD_DIM: tl.constexpr,
+                PLANES: tl.constexpr):
+    """TurboQuant rows `[BLOCK_N, nbytes]` uint8 at `row_off` -> `[BLOCK_N, D]` fp32, the
+    rotated-space vectors `scale * centroid`. `LAY [PLANES, 5, D]` int32 gives, per plane and
+    coordinate, the byte, shift, mask and bit position of its code bits and the coordinate's
+    offset into the centroid table `TAB` (`turbo_layout`)."""
+    idx = tl.zeros([offs_d.shape[0]], tl.int32)[None, :] + tl.zeros([row_off.shape[0]],
+                                                                   tl.int32)[:, None]
+    for j in tl.static_range(PLANES):
+        bi = tl.load(LAY + (j * 5 + 0) * HEAD_DIM + offs_d)
+        sh = tl.load(LAY + (j * 5 + 1) * HEAD_DIM + offs_d)
+        mk = tl.load(LAY + (j * 5 + 2) * HEAD_DIM + offs_d)
+        lo = tl.load(LAY + (j * 5 + 3) * HEAD_DIM + offs_d)
+        b = tl.load(ROWS + row_off[:, None] + bi[None, :], mask=n_ok[:, None], other=0)
+        idx += ((b.to(tl.int32) >> sh[None, :]) & mk[None, :]) << lo[None, :]
+    toff = tl.load(LAY + 4 * HEAD_DIM + offs_d)
+    c = tl.load(TAB + idx + toff[None, :])
+    s0 = tl.load(ROWS + row_off, mask=n_ok, other=0).to(tl.int32)
+    s1 = tl.load(ROWS + row_off + 1, mask=n_ok, other=0).to(tl.int32)
+    scale = (s0 | (s1 << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return c * scale[:, None]
+
+
+@triton.jit
 def _prefix_kernel(Q, K, V, BT, O_part, LSE_part,
                    prefix_len, rows, chunk,
                    sq_t, sq_h,                  # q [T, H, D]
-                   sk_b, sk_s, sk_h,            # k cache [num_blocks, PAGE, KVH, D]
+                   sk_b, sk_s, sk_h,            # k cache [num_blocks, PAGE, KVH, D or nbytes]
                    sv_b, sv_s, sv_h,
                    so_s, so_h, so_r,            # O_part [S, KVH, R, D]
                    sl_s, sl_h,                  # LSE_part [S, KVH, R]
                    qk_scale,                    # scale * log2(e)
+                   KLAY, KTAB, VLAY, VTAB,      # CODES: layouts and centroid tables of K, V
                    G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-                   UPCAST: tl.constexpr):
+                   UPCAST: tl.constexpr, CODES: tl.constexpr, KPLANES: tl.constexpr,
+                   VPLANES: tl.constexpr):
     kvh = tl.program_id(0)
     rb = tl.program_id(1)
     split = tl.program_id(2)
@@ -82,12 +108,20 @@ def _prefix_kernel(Q, K, V, BT, O_part, LSE_part,
         n_ok = offs_n < end
         blk = tl.load(BT + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
         slot = offs_n % PAGE
-        k = tl.load(K + (blk * sk_b + slot * sk_s + kvh * sk_h)[:, None] + offs_d[None, :],
-                    mask=n_ok[:, None], other=0.0).to(q.dtype)     # [BLOCK_N, D]
+        if CODES:                       # TurboQuant pages: decoded here, never in memory
+            k = _load_codes(K, blk * sk_b + slot * sk_s + kvh * sk_h, n_ok, offs_d, KLAY,
+                            KTAB, HEAD_DIM, KPLANES).to(q.dtype)
+        else:
+            k = tl.load(K + (blk * sk_b + slot * sk_s + kvh * sk_h)[:, None] + offs_d[None, :],
+                        mask=n_ok[:, None], other=0.0).to(q.dtype)     # [BLOCK_N, D]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         s = tl.where(n_ok[None, :], s, float("-inf"))
-        v = tl.load(V + (blk * sv_b + slot * sv_s + kvh * sv_h)[:, None] + offs_d[None, :],
-                    mask=n_ok[:, None], other=0.0).to(q.dtype)
+        if CODES:
+            v = _load_codes(V, blk * sv_b + slot * sv_s + kvh * sv_h, n_ok, offs_d, VLAY,
+                            VTAB, HEAD_DIM, VPLANES).to(q.dtype)
+        else:
+            v = tl.load(V + (blk * sv_b + slot * sv_s + kvh * sv_h)[:, None] + offs_d[None, :],
+                        mask=n_ok[:, None], other=0.0).to(q.dtype)
         m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v, DOT_PREC)
 
     o_ptr = O_part + split * so_s + kvh * so_h + offs_m[:, None] * so_r + offs_d[None, :]
@@ -183,9 +217,13 @@ def _prefix_splits(prefix_len: int, programs: int, block_n: int, sms: int,
 def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_table: torch.Tensor, prefix_len: int, k_tree: torch.Tensor,
                           v_tree: torch.Tensor, tree_mask: torch.Tensor | None,
-                          scale: float | None = None, num_splits: int | None = None) -> torch.Tensor:
+                          scale: float | None = None, num_splits: int | None = None,
+                          codes: tuple | None = None) -> torch.Tensor:
     """Paged tree attention -> `[T, H, D]` in q's dtype. `num_splits` forces the prefix split
-    count (tests); default from the SM count. fp32 inputs use IEEE fp32 dots (no TF32)."""
+    count (tests); default from the SM count. fp32 inputs use IEEE fp32 dots (no TF32).
+    `codes`: the caches hold TurboQuant rows (uint8, `[.., nbytes]`), given as
+    (key layout, key table, value layout, value table) from `turbo_layout`; q is then in the
+    keys' rotated space and the output in the values' (the caller rotates)."""
     T, H, D = q.shape
     page, kvh = k_cache.shape[1], k_cache.shape[2]
     G = H // kvh
@@ -212,6 +250,7 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                                    num_splits)
     o_part = torch.empty(max(splits, 1), kvh, rows, D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(max(splits, 1), kvh, rows, dtype=torch.float32, device=q.device)
+    klay, ktab, vlay, vtab = codes if codes is not None else (q, q, q, q)  # q: unused ptrs
     if splits:
         _prefix_kernel[(kvh, row_blocks, splits)](
             q, k_cache, v_cache, block_table, o_part, lse_part,
@@ -221,8 +260,11 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1),
-            qk_scale, G=G, HEAD_DIM=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
-            DOT_PREC=dot_prec, UPCAST=upcast, num_warps=warps, num_stages=2)
+            qk_scale, klay, ktab, vlay, vtab,
+            G=G, HEAD_DIM=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
+            DOT_PREC=dot_prec, UPCAST=upcast, CODES=codes is not None,
+            KPLANES=klay.shape[0] if codes is not None else 0,
+            VPLANES=vlay.shape[0] if codes is not None else 0, num_warps=warps, num_stages=2)
 
     has_mask = tree_mask is not None and T > 1
     mask = tree_mask.contiguous().view(torch.uint8) if has_mask else q   # q: unused placeholder ptr
