@@ -10,6 +10,9 @@
      (`causal_attention`) and over a prefix the Triton kernel on one-token pages with the
      prefix slots as block table, each against the 3-D masked SDPA prefill used to take (error,
      time, peak memory above the inputs: the old path holds T x (L+T) scores per head).
+  5. TurboQuant pages (`--kv-cache turbo*`, `specfork/kv_quant.py`): the prefix kernel decoding
+     uint8 code rows itself, against the torch path over the same rows decoded by the codec,
+     and its time against the same kernel over bf16 pages (prefix {2048, 8192}, tree 16).
 Exits 1 if a correctness case fails (after writing the JSON), 2 without CUDA or Triton.
 
     python eval/gpu_tree_attention.py --json $OUT/tree_attention_gpu.json
@@ -189,6 +192,51 @@ def prefill_paths(bench, shapes=((0, 1024), (0, 4096), (2048, 512), (4096, 2048)
     return rows
 
 
+def turbo_pages(tta, bench=None, device: str = DEVICE, shapes=((2048, 16), (8192, 16)),
+                H: int = 32, KVH: int = 8, D: int = 128, dtype=torch.bfloat16,
+                formats=("turbo4", "turbo3.5", "turbo2.5")) -> list[dict]:
+    """The prefix kernel over TurboQuant pages (one-token pages, scattered block table) vs
+    the torch path over the codec's own decode of the same rows; with `bench`, its time vs
+    the kernel over bf16 pages of the same keys."""
+    from specfork.kv_quant import TurboCodec, parse_kv_format
+    rows = []
+    for L, T in shapes:
+        g = torch.Generator().manual_seed(L + T)
+        k, v = (torch.randn(L, KVH, D, generator=g) * 2 + 0.5).to(device), \
+            torch.randn(L, KVH, D, generator=g).to(device)
+        q = torch.randn(T, H, D, generator=g).to(device, dtype)
+        kt, vt = (torch.randn(T, KVH, D, generator=g).to(device, dtype) for _ in range(2))
+        mask = ancestor_mask(layered_tree(T), device=device)
+        table = torch.randperm(L, generator=g).to(device, torch.int32)
+        for fmt in formats:
+            _, rate, _ = parse_kv_format(fmt)
+            kc, vc = (TurboCodec(D, rate, seed, dtype=torch.float32, device=device)
+                      for seed in (1, 2))
+            kr, vr = torch.empty(L, KVH, kc.nbytes, dtype=torch.uint8, device=device), \
+                torch.empty(L, KVH, vc.nbytes, dtype=torch.uint8, device=device)
+            kr[table.long()], vr[table.long()] = kc.encode(k), vc.encode(v)   # slot = table[i]
+            pages = lambda t: t.view(L, 1, KVH, -1)
+            codes = kc.kernel_layout() + vc.kernel_layout()
+            out = tta.tree_attention_triton(q, pages(kr), pages(vr), table, L, kt, vt, mask,
+                                            codes=codes)
+            ref = tree_attention_sdpa(q.float(), kc.decode(kr[table.long()]),
+                                      vc.decode(vr[table.long()]), kt.float(), vt.float(), mask)
+            err = ((out.float() - ref).abs() / (1 + ref.abs())).max().item()
+            r = dict(prefix_len=L, tree_size=T, format=fmt, bytes_per_vector=kc.nbytes,
+                     err=err, ok=bool(err <= TOL[dtype]))
+            if bench is not None:
+                kb, vb = (pages(x.to(dtype)) for x in (k, v))
+                r["codes_ms"] = bench(lambda: tta.tree_attention_triton(
+                    q, pages(kr), pages(vr), table, L, kt, vt, mask, codes=codes))
+                r["bf16_pages_ms"] = bench(lambda: tta.tree_attention_triton(
+                    q, kb, vb, table, L, kt, vt, mask))
+            rows.append(r)
+            print(f"turbo pages L={L} T={T} {fmt}: err {err:.2e} {'ok' if r['ok'] else 'FAIL'}"
+                  + (f", {r['codes_ms']:.3f} ms vs bf16 pages {r['bf16_pages_ms']:.3f} ms"
+                     if bench is not None else ""))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True, help="write the results here")
@@ -214,9 +262,11 @@ def main() -> None:
     result["timing"], result["split_sweep"] = timing(tta, bench)
     result["meta_paths"] = meta_paths()
     result["prefill"] = prefill_paths(bench)
+    result["turbo_pages"] = turbo_pages(tta, bench)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
-    ok = (all(r["ok"] for r in result["correctness"] + result["prefill"])
+    ok = (all(r["ok"] for r in result["correctness"] + result["prefill"]
+              + result["turbo_pages"])
           and result["dispatches_to_triton"] and result["meta_paths"]["ok"])
     print("all correct" if ok else "CORRECTNESS FAILURES", "->", args.json)
     sys.exit(0 if ok else 1)

@@ -451,3 +451,13 @@ def test_triton_kernel_decodes_turbo_pages(monkeypatch, fmt):
     assert cpu_path in ("masked", "cascade") and gpu_path == "paged"
     assert len(layouts) == 4                              # K and V of both layers
     torch.testing.assert_close(gpu_logits, cpu_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_gpu_script_turbo_pages_section_runs_under_the_interpreter():
+    """Section 5 of the prepared GPU script (eval/gpu_tree_attention.py), small and on the
+    CPU: the code-reading kernel matches the torch path over the codec's decode."""
+    from gpu_tree_attention import turbo_pages
+    rows = turbo_pages(tta, None, device="cpu", shapes=((37, 5),), H=4, KVH=2, D=64,
+                       dtype=torch.float32)
+    assert [r["format"] for r in rows] == ["turbo4", "turbo3.5", "turbo2.5"]
+    assert all(r["ok"] and r["err"] < 1e-4 for r in rows), rows
