@@ -13,8 +13,8 @@ Two refinements, both free in bytes:
   component along x exact (as RaBitQ's estimator does).
 - Keys may be centred on a per-head mean `center` (`Model.calibrate_kv`): every score of one
   query then moves by the same q . center, which softmax ignores, so the mean is never added
-  back. The keys of the embedded target are 60-90% one constant direction per head, energy
-  the codes would otherwise spend their error on.
+  back. Much of the embedded target's key energy is such a constant direction per head,
+  energy the codes would otherwise spend their error on.
 Both lowered the embedded target's perplexity under turbo3.5 in trials on held-out text; what
 the shipped formats give is in results/kv_quant.md (eval/bench_kv_quant.py).
 
@@ -197,6 +197,7 @@ class TurboCodec:
                  dtype: torch.dtype = torch.float32, device="cpu"):
         D = head_dim
         self.center = None                                    # [KVH, D] keys: set_center
+        self._rt2 = self._rt2_of = self._layout = None        # caches: _pair_rt, kernel_layout
         total = round(rate * D)
         code_bits = total - NORM_BITS - (NORM_BITS + D if prod else 0)
         b = code_bits // D
@@ -273,7 +274,7 @@ class TurboCodec:
         return (rows[0], dec[0]), (rows[1], dec[1])
 
     def _pair_rt(self, vc: "TurboCodec") -> torch.Tensor:
-        if getattr(self, "_rt2", None) is None or self._rt2_of is not vc:
+        if self._rt2_of is not vc:
             self._rt2, self._rt2_of = torch.stack((self.RT, vc.RT)), vc
         return self._rt2
 
@@ -335,7 +336,7 @@ class TurboCodec:
         coordinate's offset into the table. None for prod (its QJL term needs a matmul)."""
         if self.prod:
             return None
-        if getattr(self, "_layout", None) is None:
+        if self._layout is None:
             P = max(len(_planes(b)) for _, _, b in self.groups)
             lay = torch.zeros(P, 5, self.D, dtype=torch.int32)
             at = 2

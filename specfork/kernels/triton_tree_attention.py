@@ -59,7 +59,7 @@ def _load_codes(ROWS, row_off, n_ok, offs_d, LAY, TAB, HEAD_DIM: tl.constexpr,
     """TurboQuant rows `[BLOCK_N, nbytes]` uint8 at `row_off` -> `[BLOCK_N, D]` fp32, the
     rotated-space vectors `scale * centroid`. `LAY [PLANES, 5, D]` int32 gives, per plane and
     coordinate, the byte, shift, mask and bit position of its code bits and the coordinate's
-    offset into the centroid table `TAB` (`turbo_layout`)."""
+    offset into the centroid table `TAB` (`TurboCodec.kernel_layout`)."""
     idx = tl.zeros([offs_d.shape[0]], tl.int32)[None, :] + tl.zeros([row_off.shape[0]],
                                                                    tl.int32)[:, None]
     for j in tl.static_range(PLANES):
@@ -222,7 +222,7 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """Paged tree attention -> `[T, H, D]` in q's dtype. `num_splits` forces the prefix split
     count (tests); default from the SM count. fp32 inputs use IEEE fp32 dots (no TF32).
     `codes`: the caches hold TurboQuant rows (uint8, `[.., nbytes]`), given as
-    (key layout, key table, value layout, value table) from `turbo_layout`; q is then in the
+    (key layout, key table, value layout, value table) from `TurboCodec.kernel_layout`; q is then in the
     keys' rotated space and the output in the values' (the caller rotates)."""
     T, H, D = q.shape
     page, kvh = k_cache.shape[1], k_cache.shape[2]
