@@ -122,8 +122,12 @@ class DraftController:
         t = self.tracks[i]
         return t.timed and t.cost(self.draft_len) < CHEAP * self.cost.seconds(1)
 
-    def _value(self, depths: list[int]) -> tuple[float, float, float]:
-        """(tokens per second, expected accepted, rows) of a plan (depth per drafter)."""
+    def _value(self, depths: list[int], ctx=None) -> tuple[float, float, float]:
+        """(tokens per second, expected accepted, rows) of a plan (depth per drafter). `ctx`:
+        (tokens, rows, draft seconds) of the other requests in the same forward (None: alone),
+        so the value is the whole step's: a tree's rows cost what they add to the batch's
+        forward, and its tokens are weighed against the batch's."""
+        ctx_tokens, ctx_rows, ctx_secs = ctx or (0, 0, 0.0)
         none_left = [1.0] * (self.draft_len + max((t.max_depth for t in self.tracks), default=0))
         rows, secs = 1.0, 0.0
         for i, (t, k) in enumerate(zip(self.tracks, depths)):
@@ -135,13 +139,14 @@ class DraftController:
             elif self.cheap(i):
                 secs += t.cost(self.draft_len)    # shadowed: it drafts anyway
         expected = sum(1 - x for x in none_left)
-        return (1 + self.kappa * expected) / (secs + self.cost.seconds(rows)), expected, rows
+        return ((ctx_tokens + 1 + self.kappa * expected)
+                / (ctx_secs + secs + self.cost.seconds(ctx_rows + rows)), expected, rows)
 
-    def plan(self) -> list[int]:
-        """This step's depth per drafter (0: not verified this step)."""
+    def plan(self, ctx=None) -> list[int]:
+        """This step's depth per drafter (0: not verified this step); `ctx` as `_value`."""
         forced = [i for i, t in enumerate(self.tracks)
                   if not self.cheap(i) and t.idle >= t.gap]
-        best_depths, best_e = self._best(forced)
+        best_depths, best_e = self._best(forced, ctx)
         for i, t in enumerate(self.tracks):
             t.probed = i in forced
         self.predicted = best_e
@@ -152,7 +157,7 @@ class DraftController:
         self.trace.append(best_depths)
         return best_depths
 
-    def _best(self, forced: list[int]) -> tuple[list[int], float]:
+    def _best(self, forced: list[int], ctx=None) -> tuple[list[int], float]:
         """The plan of highest value that includes every drafter in `forced`, and its
         E[accepted]."""
         n = len(self.drafters)
@@ -164,7 +169,7 @@ class DraftController:
                 for k in range(1, self.draft_len + 1) if chosen else [0]:
                     depths = [(self.tracks[i].max_depth if self.tracks[i].tree else k)
                               if i in chosen else 0 for i in range(n)]
-                    v, e, _ = self._value(depths)
+                    v, e, _ = self._value(depths, ctx)
                     if v > best:
                         best, best_depths, best_e = v, depths, e
                     if all(self.tracks[i].tree for i in chosen):

@@ -207,6 +207,38 @@ class AttnMeta:
         return tree_attention_torch(q, kp, vp, k, v, self.tree_mask, scale, tree_bias=self.bias)
 
 
+class BatchMeta:
+    """Several requests in one forward: each request's rows (a prefill chunk, a decode step or
+    a verify tree over its own prefix) attend under their own `AttnMeta`; the rows are
+    concatenated request after request, so the matmuls run once over all of them while
+    attention stays block-diagonal (no request sees another's slots, and each keeps the path
+    it would take alone, so its rows compute as they would in a forward of its own)."""
+
+    def __init__(self, metas: list[AttnMeta], sizes: list[int]):
+        self.metas, self.sizes = metas, sizes                 # sizes[i]: request i's rows
+        self.path = "batch"
+        writes, srcs, start = [], [], 0
+        for m, n in zip(metas, sizes):
+            if m.write is not None:
+                writes.append(m.write)
+                src = m.write_src if m.write_src is not None else torch.arange(
+                    m.write.numel(), device=m.write.device)
+                srcs.append(src + start)
+            start += n
+        self.write = torch.cat(writes) if writes else None
+        plain = all(m.write is not None and m.write_src is None and m.write.numel() == n
+                    for m, n in zip(metas, sizes))
+        self.write_src = None if plain or self.write is None else torch.cat(srcs)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_slots, v_slots,
+               scale: float) -> torch.Tensor:
+        outs, a = [], 0
+        for m, n in zip(self.metas, self.sizes):
+            outs.append(m.attend(q[a:a + n], k[a:a + n], v[a:a + n], k_slots, v_slots, scale))
+            a += n
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 def _kernel_layout(codec, q: torch.Tensor):
     """The layout the Triton kernel decodes `codec`'s rows with, where it runs (CUDA)."""
     layout = getattr(codec, "kernel_layout", None)

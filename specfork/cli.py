@@ -1,5 +1,6 @@
 """`specfork generate ...`: stream a completion, or print one JSON object with --json.
-`specfork score ...`: per-token negative log-likelihoods and perplexity of a text."""
+`specfork score ...`: per-token negative log-likelihoods and perplexity of a text.
+`specfork serve ...`: an OpenAI-compatible server on one engine (`specfork/server.py`)."""
 from __future__ import annotations
 
 import argparse
@@ -22,29 +23,7 @@ def _args(argv):
     g.add_argument("--target", default="smollm2-135m",
                    help="alias, local directory or HF id in the local cache (default: the "
                         "embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--drafts", type=int, default=0, help="draft paths per step (0: no drafting)")
-    g.add_argument("--drafter", default=None,
-                   help="drafter mix, comma separated: ngram, trained, eagle (the shipped "
-                        "EAGLE-3 head), model:ID_OR_PATH, eagle3:PATH, eagle:PATH (published "
-                        "EAGLE-3 / EAGLE-1 checkpoints) (default: the target's default mix)")
-    g.add_argument("--draft-len", type=int, default=None,
-                   help="most tokens per draft path (default 4)")
-    g.add_argument("--min-conf", type=float, default=None,
-                   help="a model-draft path stops once the draft's probability of it falls "
-                        "below this (default 0.3; 0 drafts every path to --draft-len)")
-    g.add_argument("--draft-vocab", type=int, default=None,
-                   help="output rows the trained draft keeps: the target's N most frequent "
-                        "tokens plus the prompt's (default 8192; 0: the whole vocabulary)")
-    g.add_argument("--tree-topk", type=int, default=None,
-                   help="EAGLE tree: children per expanded node and nodes expanded per depth "
-                        "(default 4)")
-    g.add_argument("--tree-depth", type=int, default=None, help="EAGLE tree depth (default 3)")
-    g.add_argument("--draft-tokens", type=int, default=None,
-                   help="EAGLE tree: nodes kept for verification (default 8)")
-    g.add_argument("--no-adaptive", dest="adaptive", action="store_false",
-                   help="every drafter drafts its full budget every step (default: adaptive "
-                        "drafting picks drafters and depth from measured cost and acceptance, "
-                        "down to plain decoding)")
+    _draft_args(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file holding the prompt ('-' for stdin)")
@@ -73,7 +52,56 @@ def _args(argv):
     _kv_arg(s)
     s.add_argument("--json", action="store_true",
                    help="print one JSON object: tokens, nll (tokens 1..), ppl")
+    v = sub.add_parser("serve", help="an OpenAI-compatible server (continuous batching)")
+    v.add_argument("--target", default="smollm2-135m", help="as for generate")
+    _draft_args(v)
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
+                   "127.0.0.1: this machine only)")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--served-model-name", default=None,
+                   help="the model id clients name (default: --target)")
+    v.add_argument("--max-batch", type=int, default=32,
+                   help="requests decoded together in one forward (default 32)")
+    v.add_argument("--prefill-tokens", type=int, default=256,
+                   help="prompt tokens prefilled per step while other requests decode "
+                        "(default 256)")
+    v.add_argument("--max-kv-tokens", type=int, default=32768,
+                   help="KV pool size in tokens, shared by all requests (default 32768)")
+    v.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="do not keep finished requests' KV for prompts that start the same")
+    v.add_argument("--max-waiting", type=int, default=256,
+                   help="queued requests beyond which new ones get HTTP 429 (default 256)")
+    v.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    v.add_argument("--weights", default="auto", help="as for generate")
+    v.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    _kv_arg(v)
     return p.parse_args(argv)
+
+
+def _draft_args(g) -> None:
+    g.add_argument("--drafts", type=int, default=0, help="draft paths per step (0: no drafting)")
+    g.add_argument("--drafter", default=None,
+                   help="drafter mix, comma separated: ngram, trained, eagle (the shipped "
+                        "EAGLE-3 head), model:ID_OR_PATH, eagle3:PATH, eagle:PATH (published "
+                        "EAGLE-3 / EAGLE-1 checkpoints) (default: the target's default mix)")
+    g.add_argument("--draft-len", type=int, default=None,
+                   help="most tokens per draft path (default 4)")
+    g.add_argument("--min-conf", type=float, default=None,
+                   help="a model-draft path stops once the draft's probability of it falls "
+                        "below this (default 0.3; 0 drafts every path to --draft-len)")
+    g.add_argument("--draft-vocab", type=int, default=None,
+                   help="output rows the trained draft keeps: the target's N most frequent "
+                        "tokens plus the prompt's (default 8192; 0: the whole vocabulary)")
+    g.add_argument("--tree-topk", type=int, default=None,
+                   help="EAGLE tree: children per expanded node and nodes expanded per depth "
+                        "(default 4)")
+    g.add_argument("--tree-depth", type=int, default=None, help="EAGLE tree depth (default 3)")
+    g.add_argument("--draft-tokens", type=int, default=None,
+                   help="EAGLE tree: nodes kept for verification (default 8)")
+    g.add_argument("--no-adaptive", dest="adaptive", action="store_false",
+                   help="every drafter drafts its full budget every step (default: adaptive "
+                        "drafting picks drafters and depth from measured cost and acceptance, "
+                        "down to plain decoding)")
 
 
 def _kv_arg(g) -> None:
@@ -117,21 +145,48 @@ def _prompt(a) -> str:
         return f.read()
 
 
-def generate(a) -> int:
+def _drafting_flags(a) -> dict:
+    return {"--drafter": a.drafter, "--draft-len": a.draft_len, "--min-conf": a.min_conf,
+            "--draft-vocab": a.draft_vocab, "--tree-topk": a.tree_topk,
+            "--tree-depth": a.tree_depth, "--draft-tokens": a.draft_tokens,
+            "--no-adaptive": None if a.adaptive else True}
+
+
+def _checked_loader(a, drafting: dict, **kw):
+    """Check the drafting, device, weight and KV flags (before any weights load); returns
+    the call that loads the SpecDecoder they describe (`kw`: more from_pretrained args)."""
     import torch
 
     from specfork.decoder import SpecDecoder
+    from specfork.drafters import eagle
     from specfork.drafters.registry import DRAFT_LEN, check_drafting
+    from specfork.errors import SpecforkError
+    from specfork.kv_quant import parse_kv_format
+    from specfork.loader import check_device
+    from specfork.weights import check_weights
+    given = [k for k, v in drafting.items() if v is not None]
+    if a.drafts == 0 and given:
+        raise SpecforkError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} "
+                            "only with --drafts N (N >= 1)")
+    draft_len = DRAFT_LEN if a.draft_len is None else a.draft_len
+    tree = eagle.tree_shape(a.tree_topk, a.tree_depth, a.draft_tokens)
+    check_drafting(a.drafts, draft_len, a.drafter, a.target, a.min_conf, a.draft_vocab, tree)
+    check_device(a.device)
+    check_weights(a.weights, a.device)
+    parse_kv_format(a.kv_cache)
+    dtype = getattr(torch, a.dtype) if a.dtype else None
+    return lambda: SpecDecoder.from_pretrained(
+        target=a.target, drafts=a.drafts, drafter=a.drafter, draft_len=draft_len, dtype=dtype,
+        device=a.device, min_conf=a.min_conf, draft_vocab=a.draft_vocab, tree_topk=tree[0],
+        tree_depth=tree[1], draft_tokens=tree[2], adaptive=a.adaptive, weights=a.weights,
+        kv_cache=a.kv_cache, **kw)
+
+
+def generate(a) -> int:
     from specfork.engine import check_prompt
     from specfork.errors import SpecforkError
-    from specfork.loader import check_device
-    from specfork.kv_quant import parse_kv_format
     from specfork.sampling import check_sampling
-    from specfork.weights import check_weights
-    drafting = {"--drafter": a.drafter, "--draft-len": a.draft_len, "--min-conf": a.min_conf,
-                "--draft-vocab": a.draft_vocab, "--tree-topk": a.tree_topk,
-                "--tree-depth": a.tree_depth, "--draft-tokens": a.draft_tokens,
-                "--no-adaptive": None if a.adaptive else True}
+    drafting = _drafting_flags(a)
     sampling = {"--temperature": a.temperature or None, "--top-p": a.top_p, "--top-k": a.top_k,
                 "--seed": a.seed}
     # Which flags go together is the CLI's own rule; every value is checked by the library,
@@ -143,27 +198,11 @@ def generate(a) -> int:
                  if v is not None]
         if given:
             raise SpecforkError(f"--beams is greedy beam search: drop {', '.join(given)}")
-    given = [k for k, v in drafting.items() if v is not None]
-    if a.drafts == 0 and given:
-        raise SpecforkError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} "
-                            "only with --drafts N (N >= 1)")
-    draft_len = DRAFT_LEN if a.draft_len is None else a.draft_len
-    from specfork.drafters import eagle
-    tree = eagle.tree_shape(a.tree_topk, a.tree_depth, a.draft_tokens)
-    check_drafting(a.drafts, draft_len, a.drafter, a.target, a.min_conf, a.draft_vocab, tree)
-    check_device(a.device)
-    check_weights(a.weights, a.device)
-    parse_kv_format(a.kv_cache)
+    load = _checked_loader(a, drafting)
     check_sampling(a.max_new_tokens, a.temperature, a.top_p, a.top_k, a.seed)
     prompt = _prompt(a)
     check_prompt(prompt)
-    dtype = getattr(torch, a.dtype) if a.dtype else None
-    dec = SpecDecoder.from_pretrained(target=a.target, drafts=a.drafts, drafter=a.drafter,
-                                      draft_len=draft_len, dtype=dtype, device=a.device,
-                                      min_conf=a.min_conf, draft_vocab=a.draft_vocab,
-                                      tree_topk=tree[0], tree_depth=tree[1],
-                                      draft_tokens=tree[2], adaptive=a.adaptive,
-                                      weights=a.weights, kv_cache=a.kv_cache)
+    dec = load()
     tok = dec.tokenizer
     if a.beams:
         from specfork.search import beam_search
@@ -198,13 +237,36 @@ def generate(a) -> int:
     return 0
 
 
+def serve(a) -> int:
+    import importlib.util
+
+    from specfork.errors import SpecforkError, check_positive
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SpecforkError(f"serve needs {' and '.join(missing)}: pip install 'specfork[serve]'")
+    check_positive(max_batch=a.max_batch, prefill_tokens=a.prefill_tokens,
+                   max_kv_tokens=a.max_kv_tokens, max_waiting=a.max_waiting)
+    if not 0 < a.port < 65536:
+        raise SpecforkError(f"--port must be in 1..65535, got {a.port}")
+    dec = _checked_loader(a, _drafting_flags(a), max_kv_tokens=a.max_kv_tokens)()
+    dec.engine.configure(max_batch=a.max_batch, prefill_tokens=a.prefill_tokens,
+                         prefix_cache=a.prefix_cache)
+    from specfork.server import serve as run_server
+    name = a.served_model_name or a.target
+    print(f"specfork: serving '{name}' on http://{a.host}:{a.port}/v1", file=sys.stderr,
+          flush=True)
+    run_server(dec, name, a.host, a.port, a.max_waiting)
+    return 0
+
+
 def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")          # never reach for a hub at run time
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     a = _args(argv)
     from specfork.errors import run_command
-    return run_command("specfork", lambda: score(a) if a.cmd == "score" else generate(a))
+    cmds = {"score": score, "generate": generate, "serve": serve}
+    return run_command("specfork", lambda: cmds[a.cmd](a))
 
 
 if __name__ == "__main__":

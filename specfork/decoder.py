@@ -18,11 +18,10 @@ from specfork.errors import SpecforkError
 from specfork.kv_quant import calibration_ids, parse_kv_format
 from specfork.kv_tree import KVTree
 from specfork.model import Model
-from specfork.sampling import check_sampling, pick, sampling_params
+from specfork.request import Request
+from specfork.sampling import check_sampling, sampling_params
 from specfork.token_tree import TokenTree
-from specfork.types import DraftPath, GenerateOutput, SamplingParams
-from specfork.verifiers.greedy import verify_greedy
-from specfork.verifiers.sampling import verify_sampling
+from specfork.types import GenerateOutput
 from specfork.weights import check_weights
 
 SCORE_CHUNK = 512              # tokens per prefill chunk of `score`
@@ -51,30 +50,22 @@ class SpecDecoder:
         # target features the drafters read (layer indices; L = the final norm's output)
         self.capture = tuple(sorted({i for d in self.drafters
                                      for i in (getattr(d, "features", None) or ())})) or None
-        # each feature drafter's columns of the captured [k, len(capture) * hidden] rows (None:
-        # all of them, in order), built once on the model's device
-        self.feature_cols = {}
-        if self.capture:
-            H = model.embed.shape[1]
-            for d in self.drafters:
-                want = getattr(d, "features", None)
-                if want:
-                    cols = [c for i in want for c in range(self.capture.index(i) * H,
-                                                           (self.capture.index(i) + 1) * H)]
-                    same = cols == list(range(len(self.capture) * H))
-                    self.feature_cols[id(d)] = None if same else torch.tensor(
-                        cols, device=model.device)
+        self.model = model
         # room for every verify fork: one per draft path or tree leaf (+1), each up to the
         # deepest draft + 1 tokens
         self.engine = Engine(model, tokenizer, max_kv_tokens, block_size, eos_token_ids,
                              forks=self.num_paths + tree_nodes + 1, fork_tokens=deepest + 1)
         self.model, self.tokenizer, self.kv = model, tokenizer, self.engine.kv
         self.pool, self.eos = self.kv.pool, self.engine.eos
+        self.engine.capture = self.capture if self.num_paths else None
+        self.feature_cols = self._feature_cols(self.drafters)
         self.controller = None
         if adaptive and self.num_paths:        # times the verify forward once per model
             self.controller = DraftController(
                 self.drafters, draft_len,
                 cost_model.for_model(model, self.kv, self.tree_budget + 1))
+        # drafter sets free for the next request: the decoder's own first (`_acquire_drafters`)
+        self._free_sets = [(self.drafters, self.controller)] if self.num_paths else []
 
     @classmethod
     def from_pretrained(cls, target: str = "smollm2-135m", drafts: int = 0,
@@ -139,190 +130,84 @@ class SpecDecoder:
         nll = torch.cat(nll)
         return {"tokens": ids, "nll": nll.tolist(), "ppl": float(nll.mean().exp())}
 
-    # -- the loop -------------------------------------------------------------------------------
+    # -- requests -------------------------------------------------------------------------------
+    def _acquire_drafters(self):
+        """A drafter set of its own for one request (with its controller): the decoder's own
+        first, then spare ones (`spawn`: the same weights, their own KV trees) as concurrent
+        requests need them; `release` hands it back."""
+        if not self.num_paths:
+            return [], None, {}, lambda: None
+        if self._free_sets:
+            ds, ctl = self._free_sets.pop()
+        else:
+            ds = [d.spawn() for d in self.drafters]
+            ctl = None
+            if self.controller is not None:
+                ctl = DraftController(ds, self.draft_len, cost_model.CostModel(
+                    self.controller.cost.table))
+        cols = self._feature_cols(ds)
+        return ds, ctl, cols, lambda: self._free_sets.append((ds, ctl))
+
+    def _feature_cols(self, drafters) -> dict:
+        """Per feature drafter, its columns of the captured [k, len(capture) * hidden] rows
+        (None: all of them, in order), on the model's device."""
+        cols = {}
+        if self.capture:
+            H = self.model.embed.shape[1]
+            for d in drafters:
+                want = getattr(d, "features", None)
+                if want:
+                    c = [j for i in want for j in range(self.capture.index(i) * H,
+                                                        (self.capture.index(i) + 1) * H)]
+                    same = c == list(range(len(self.capture) * H))
+                    cols[id(d)] = None if same else torch.tensor(c, device=self.model.device)
+        return cols
+
+    def request(self, prompt_ids: list[int], max_new_tokens: int = 128,
+                temperature: float = 0.0, top_p: float | None = None, top_k: int | None = None,
+                seed: int | None = None, n: int = 1,
+                on_tokens: Callable[[int, list[int]], None] | None = None,
+                logprobs: int | None = None) -> list[Request]:
+        """`n` engine requests for one prompt (checked ids): the first prefills it, the others
+        fork it (`Engine.add` the first only). Choice i draws with seed + i where a seed is
+        given. `on_tokens(i, new)` gets each choice's emitted tokens as they come."""
+        check_sampling(max_new_tokens, temperature, top_p, top_k, seed)
+        if not isinstance(n, int) or n < 1:
+            raise SpecforkError(f"n must be a positive integer, got {n}")
+        self.engine.check_length(len(prompt_ids), max_new_tokens)
+        reqs = []
+        for i in range(n):
+            sp = sampling_params(temperature, top_p, top_k, None if seed is None else seed + i)
+            ds, ctl, cols, give_back = self._acquire_drafters()
+            cb = None if on_tokens is None else (lambda new, i=i: on_tokens(i, new))
+            r = Request(prompt_ids, max_new_tokens, sp, self.eos, ds, ctl, self.num_paths,
+                        self.draft_len, self.tree_budget, self.capture, cols, cb,
+                        stats=_Stats(ds), logprobs=logprobs)
+            r.release_drafters = give_back
+            reqs.append(r)
+        reqs[0].siblings = reqs[1:]
+        return reqs
+
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128,
                  temperature: float = 0.0, top_p: float | None = None,
                  top_k: int | None = None, seed: int | None = None, raw: bool = False,
                  on_tokens: Callable[[list[int]], None] | None = None) -> GenerateOutput:
+        """One request through the engine's loop (`Engine.step`), alone."""
         check_sampling(max_new_tokens, temperature, top_p, top_k, seed)
         prompt_ids = self.encode(prompt, raw)
-        self.engine.check_length(len(prompt_ids), max_new_tokens)
-        sp = sampling_params(temperature, top_p, top_k, seed)
-        st = _Stats(self.drafters)
-        if self.controller is not None:
-            self.controller.begin()
+        (req,) = self.request(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed,
+                              on_tokens=None if on_tokens is None else
+                              (lambda i, new: on_tokens(new)))
         self.pool.reset_peak()
+        forwards = self.engine.counters["steps"]
         t0 = time.perf_counter()
-        branch = self.kv.new_branch()
-        try:
-            for d in self.drafters:
-                d.begin(prompt_ids)
-            out = self._run(branch, prompt_ids, max_new_tokens, sp, st, on_tokens)
-        finally:
-            self.kv.release(branch)
-            for d in self.drafters:
-                d.end()
+        self.engine.run([req])
         wall = time.perf_counter() - t0
-        stats = st.finish(len(out), wall, self.pool, self.kv)
-        if self.controller is not None:
-            stats["adaptive"] = self.controller.stats([d.name for d in self.drafters])
-        return GenerateOutput(self.engine.decode(out), out, prompt_ids, stats)
-
-    def _run(self, B, prompt_ids, max_new, sp, st, on_tokens) -> list[int]:
-        m, kv = self.model, self.kv
-        P = len(prompt_ids)
-        dev = m.device
-        ids = torch.tensor(prompt_ids, device=dev)
-        slots = kv.append(B, P)
-        logits = m.forward(ids, torch.arange(P, device=dev), self.pool,
-                           AttnMeta.prefill(m, slots[:0], slots), logits_idx=slice(P - 1, P),
-                           capture=self.capture if self.num_paths else None)
-        st.forwards += 1
-        if self.capture and self.num_paths:
-            logits, feats = logits
-        tok = pick(logits[0], sp)
-        out = [tok]
-        if self.capture and self.num_paths:
-            self._hand_features(prompt_ids + out, feats)
-        if on_tokens:
-            on_tokens([tok])
-        while len(out) < max_new and tok not in self.eos:
-            if self.num_paths:
-                new = self._spec_step(B, prompt_ids + out, sp, st)
-            else:
-                new = self._decode_step(B, tok, sp)
-            st.forwards += 1
-            new = new[:max_new - len(out)]
-            for i, t in enumerate(new):
-                if t in self.eos:
-                    new = new[:i + 1]
-                    break
-            out += new
-            tok = out[-1]
-            if on_tokens:
-                on_tokens(new)
-        return out
-
-    def _decode_step(self, B, tok: int, sp: SamplingParams) -> list[int]:
-        """One token: the last emitted token's K/V go into B, its logits give the next."""
-        m, kv = self.model, self.kv
-        n = B.length
-        meta = AttnMeta.prefill(m, kv.slots(B), kv.append(B, 1))
-        logits = m.forward(torch.tensor([tok], device=m.device), torch.tensor([n], device=m.device),
-                           self.pool, meta)
-        return [pick(logits[0], sp)]
-
-    def _hand_features(self, context: list[int], feats: torch.Tensor) -> None:
-        """Give each drafter that reads target features the columns of its layers for the
-        positions just verified (`feats [k, F]` at positions len(context)-1-k .. -2)."""
-        for d in self.drafters:
-            if id(d) in self.feature_cols:
-                cols = self.feature_cols[id(d)]
-                d.observe(context, feats if cols is None else feats.index_select(1, cols))
-
-    def _propose(self, context: list[int], sp: SamplingParams, depths: list[int]):
-        """Paths for the verify tree, and per drafter what it proposed (None: it did not draft)
-        and the seconds it took. Path drafters with a depth share the path budget evenly (an
-        unused share moves on); a tree drafter proposes its own tree (its own node budget). A
-        cheap drafter left out of the plan still drafts, to be scored in the shadow."""
-        paths: list[DraftPath] = []
-        props: list[list[list[int]] | None] = [None] * len(self.drafters)
-        secs = [0.0] * len(self.drafters)
-        ctl = self.controller
-        path_idx = [i for i, d in enumerate(self.drafters) if not getattr(d, "tree_tokens", 0)]
-        left, k = self.num_paths, sum(1 for i in path_idx if depths[i])
-        for i, d in enumerate(self.drafters):
-            tree = bool(getattr(d, "tree_tokens", 0))
-            shadow = not depths[i] and ctl is not None and ctl.cheap(i)
-            if not depths[i] and not shadow:
-                continue
-            if tree:
-                share, length = 0, 0
-            elif shadow:
-                share, length = -(-self.num_paths // max(1, len(path_idx))), self.draft_len
-            else:
-                share, length = -(-left // k), self.draft_len if ctl is None or ctl.cheap(i) \
-                    else depths[i]
-                k -= 1
-            t0 = time.perf_counter()
-            got = d.propose(context, share, length, sp) if (share or tree) else []
-            secs[i] = time.perf_counter() - t0
-            if not tree:
-                got = got[:share]
-            props[i] = [p.tokens for p in got]
-            if depths[i]:
-                if not tree:
-                    left -= len(got)
-                    if length > depths[i]:            # drafted deeper for its score only
-                        got = [DraftPath(p.tokens[:depths[i]], None if p.q is None
-                                         else p.q[:depths[i]], p.drafter, p.meta) for p in got]
-                paths += got
-        return paths, props, secs
-
-    def _verify(self, tree: TokenTree, n: int, meta: AttnMeta, sp: SamplingParams):
-        """One target forward over `tree` after `n` tokens -> (accepted node path, the next
-        token, the captured features or None)."""
-        m = self.model
-        logits = m.forward(tree.tokens.to(m.device), tree.positions(n).to(m.device), self.pool,
-                           meta, capture=self.capture)
-        feats = None
-        if self.capture:
-            logits, feats = logits
-        if sp.greedy:
-            return (*verify_greedy(tree, logits), feats)
-        return (*verify_sampling(tree, logits, sp), feats)
-
-    def _spec_step(self, B, context: list[int], sp: SamplingParams, st: "_Stats") -> list[int]:
-        """Draft, verify every path in one forward, commit the accepted fork, free the rest."""
-        m, kv = self.model, self.kv
-        n = B.length
-        ctl = self.controller
-        depths = ctl.plan() if ctl is not None else [self.draft_len] * len(self.drafters)
-        paths, props, secs = self._propose(context, sp, depths)
-        t_verify = time.perf_counter()
-        tree = TokenTree.build(context[-1], paths, self.tree_budget)
-        if len(tree) == 1:              # nothing drafted: a plain decode step, straight into B
-            meta = AttnMeta.prefill(m, kv.slots(B), kv.append(B, 1))
-            path, nxt, feats = self._verify(tree, n, meta, sp)
-        else:
-            leaves = tree.leaf_paths()                   # node lists root..leaf
-            forks = []                                   # one CoW fork of B per draft path
-            try:                                         # a failure (or Ctrl-C) frees them
-                writes = []
-                for p in leaves:
-                    forks.append(kv.fork(B))
-                    writes.append(kv.append(forks[-1], len(p)))
-                meta = AttnMeta.tree(m, kv.slots(B), tree.ancestor_mask(), torch.cat(writes),
-                                     torch.tensor([i for p in leaves for i in p]))
-                path, nxt, feats = self._verify(tree, n, meta, sp)
-            except BaseException:
-                for f in forks:
-                    kv.release(f)
-                raise
-            keep = next(i for i, p in enumerate(leaves) if p[:len(path)] == path)
-            for i, f in enumerate(forks):
-                if i != keep:
-                    kv.release(f)
-            kv.truncate(forks[keep], n + len(path))
-            kv.adopt(B, forks[keep])
-        st.record(tree, path)
-        emitted = [int(tree.tokens[i]) for i in path[1:]] + [nxt]
-        t_verify = time.perf_counter() - t_verify
-        for i, d in enumerate(self.drafters):
-            if not getattr(d, "features", None):
-                t0 = time.perf_counter()
-                d.observe(context + emitted)
-                secs[i] += time.perf_counter() - t0
-        if self.capture:
-            t0 = time.perf_counter()
-            self._hand_features(context + emitted, feats[torch.tensor(path, device=feats.device)])
-            t_feat = time.perf_counter() - t0
-            for i, d in enumerate(self.drafters):
-                if getattr(d, "features", None):
-                    secs[i] += t_feat
-        if ctl is not None:
-            ctl.update(depths, props, secs, emitted, len(tree.tokens), t_verify)
-        return emitted
+        req.stats.forwards = self.engine.counters["steps"] - forwards
+        stats = req.stats.finish(len(req.out), wall, self.pool, self.kv)
+        if req.controller is not None:
+            stats["adaptive"] = req.controller.stats([d.name for d in req.drafters])
+        return GenerateOutput(self.engine.decode(req.out), req.out, prompt_ids, stats)
 
 
 class _Stats:

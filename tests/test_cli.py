@@ -67,6 +67,22 @@ def test_bad_input_one_line_error(converted, args, needle):
     assert dt < 60
 
 
+@pytest.mark.parametrize("args,needle", [
+    (["--port", "0"], "--port must be in 1..65535"),
+    (["--max-batch", "0"], "--max-batch must be > 0"),
+    (["--prefill-tokens", "-5"], "--prefill-tokens must be > 0"),
+    (["--min-conf", "0.2"], "--min-conf applies only with --drafts N"),
+    (["--kv-cache", "turbo9"], "turbo9"),
+    (["--target", "no-such-model"], "unknown model 'no-such-model'"),
+])
+def test_serve_bad_flags_one_line_error(converted, args, needle):
+    p, dt = run("serve", *args)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specfork: error:"), p.stderr
+    assert needle in lines[0] and dt < 60
+
+
 @pytest.mark.slow
 def test_prompt_longer_than_context(tmp_path):
     f = tmp_path / "long.txt"

@@ -34,3 +34,7 @@ class Drafter(Protocol):
 
     def end(self) -> None:
         """The request is over: free every per-request resource."""
+
+    def spawn(self) -> "Drafter":
+        """Another drafter like this one for a concurrent request (shared weights, its own
+        per-request state and KV tree)."""

@@ -334,12 +334,18 @@ class EagleDrafter:
         self.head, self.name = head, name
         self.features = head.capture
         self.topk, self.depth, self.tree_tokens = topk, depth, tokens
+        self.max_kv_tokens = max_kv_tokens
         # committed pairs + one scratch fork holding every expanded node of a step's tree
         self.pool = head.make_pool(blocks_for(max_kv_tokens, 1, 1, depth * topk))
         self.kv = KVTree(self.pool)
         self.C = self.S = None
         self.pending: list[torch.Tensor] = []    # target features not yet in C, in order
         self.known = 0                           # positions with a feature (in C or pending)
+
+    def spawn(self) -> "EagleDrafter":
+        """A drafter for another concurrent request: the same head, a KV tree of its own."""
+        return EagleDrafter(self.head, self.name, self.topk, self.depth, self.tree_tokens,
+                            self.max_kv_tokens)
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.end()

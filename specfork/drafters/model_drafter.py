@@ -53,6 +53,7 @@ class ModelDrafter:
         self.head_ids: torch.Tensor | None = None
         self.in_head: torch.Tensor | None = None   # [V] bool: which ids the head has
         block_size = block_size or model.block_size
+        self._shape = (max_kv_tokens, max_paths, max_len, block_size)
         self.pool = model.make_pool(num_blocks=blocks_for(max_kv_tokens, block_size, max_paths,
                                                           max_len), block_size=block_size)
         self.kv = KVTree(self.pool)
@@ -76,6 +77,13 @@ class ModelDrafter:
                                 f"{target_model.vocab_size}: a draft must share the tokenizer")
         return cls(model, name=f"model:{name}", min_conf=min_conf, max_paths=max_paths,
                    max_len=max_len)
+
+    def spawn(self) -> "ModelDrafter":
+        """A drafter for another concurrent request: the same weights and head rows, a KV
+        tree of its own."""
+        kv_tokens, paths, length, bs = self._shape
+        return ModelDrafter(self.model, self.name, kv_tokens, paths, length, bs, self.min_conf,
+                            self.vocab)
 
     # -- protocol -------------------------------------------------------------------------------
     def begin(self, prompt_ids: list[int]) -> None:

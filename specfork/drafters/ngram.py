@@ -26,6 +26,10 @@ class NgramDrafter:
         self.max_match = max(max_match, max_ngram)   # how far back a match is measured
         self.end()
 
+    def spawn(self) -> "NgramDrafter":
+        """A drafter of the same settings for another concurrent request."""
+        return NgramDrafter(self.max_ngram, self.min_ngram, self.max_sites, self.max_match)
+
     def begin(self, prompt_ids: list[int]) -> None:
         self.end()
         self._sync(prompt_ids)

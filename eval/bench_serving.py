@@ -1,0 +1,312 @@
+"""Serving benchmark, like vLLM's benchmark_serving: a live `specfork serve` driven by the real
+`openai` client, beside Hugging Face `generate` with static padded batches, in one run.
+
+    python eval/bench_serving.py          # -> results/serving.{json,md,png}
+
+Workloads (MT-bench first turns, one per category in turn, chat template, greedy):
+- closed loop at each `--concurrency` (1, 4, 16): that many clients, each sending its next
+  request when the last one is done, `--requests` requests per level (at least the level);
+- open loop at a fixed `--rate` (requests/s, Poisson arrivals, seeded);
+- shared system prompt: a ~500-token system message (the standard library's pydoc of
+  `textwrap`, no benchmark text) before each question, 16 clients, prefix cache on and off;
+  the server's /metrics say how many prompt tokens were prefilled and how many came from the
+  cache.
+Per run: output tokens/s (all output tokens over the run's wall time), TTFT (request sent to
+its first streamed token) and TPOT (the rest of its tokens over the time they took), p50/p99.
+Server configurations: plain decoding, speculation (`--drafts 3`, the default drafter mix,
+adaptive), each with and without the prefix cache where the workload asks. Each configuration
+is a fresh server process (its model load is not timed); this process only waits on sockets
+while it runs. Hugging Face runs after, alone: batches of `concurrency` prompts, left padded,
+`generate(do_sample=False)`; its TTFT is a 1-token `generate` of the same batch, its output
+tokens those before each row's EOS.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import command as command_line, machine, write_results  # noqa: E402
+
+MODEL = "smollm2-135m"
+
+
+def system_prompt(tok, tokens: int = 500) -> str:
+    import pydoc
+    import textwrap
+    text = pydoc.render_doc(textwrap, renderer=pydoc.plaintext)
+    ids = tok(text)["input_ids"][:tokens]
+    return "You answer questions. Reference notes follow.\n" + tok.decode(ids)
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+class Live:
+    """A `specfork serve` process on a free loopback port, stopped on exit."""
+
+    def __init__(self, args: list[str]):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "specfork.cli", "serve",
+                                      "--port", str(self.port)] + args,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.time() + 300
+        while True:
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=1)
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError("server did not start: "
+                                       + self.proc.stderr.read().decode()[-500:])
+                time.sleep(0.5)
+
+    def metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
+        return {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines()
+                if ln and not ln.startswith("#")}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+async def _one(client, messages, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    first, n = None, 0
+    s = await client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                             max_tokens=max_tokens, stream=True,
+                                             stream_options={"include_usage": True})
+    async for ch in s:
+        if ch.usage:
+            n = ch.usage.completion_tokens
+        if first is None and ch.choices and ch.choices[0].delta.content:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    first = first or end
+    return {"ttft": first - t0, "tpot": (end - first) / (n - 1) if n > 1 else None,
+            "tokens": n, "latency": end - t0}
+
+
+async def _closed(url, convs, concurrency: int, max_tokens: int) -> tuple[list, float]:
+    import openai
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=900,
+                                max_retries=0)
+    todo = list(convs)
+    out = []
+
+    async def worker():
+        while todo:
+            out.append(await _one(client, todo.pop(0), max_tokens))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[worker() for _ in range(concurrency)])
+    return out, time.perf_counter() - t0
+
+
+async def _open(url, convs, rate: float, max_tokens: int, seed: int = 0):
+    import openai
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=900,
+                                max_retries=0)
+    rng = random.Random(seed)
+    tasks = []
+    t0 = time.perf_counter()
+    for c in convs:
+        tasks.append(asyncio.create_task(_one(client, c, max_tokens)))
+        await asyncio.sleep(rng.expovariate(rate))
+    out = await asyncio.gather(*tasks)
+    return list(out), time.perf_counter() - t0
+
+
+def summary(recs: list[dict], wall: float) -> dict:
+    ttft = [r["ttft"] for r in recs]
+    tpot = [r["tpot"] for r in recs if r["tpot"] is not None]
+    toks = sum(r["tokens"] for r in recs)
+    return {"requests": len(recs), "output_tokens": toks, "wall_s": round(wall, 3),
+            "output_tok_s": round(toks / wall, 2),
+            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+            "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99)}
+
+
+def hf_static(prompts_msgs, concurrency: int, max_tokens: int, tok, hf) -> dict:
+    import torch
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    eos = hf.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    toks, wall, ttfts, tpots = 0, 0.0, [], []
+    for a in range(0, len(prompts_msgs), concurrency):
+        batch = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
+                 for m in prompts_msgs[a:a + concurrency]]
+        enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            hf.generate(**enc, max_new_tokens=1, do_sample=False, pad_token_id=tok.pad_token_id)
+            t1 = time.perf_counter()
+            out = hf.generate(**enc, max_new_tokens=max_tokens, do_sample=False,
+                              pad_token_id=tok.pad_token_id)
+            t2 = time.perf_counter()
+        new = out[:, enc["input_ids"].shape[1]:].tolist()
+        counts = []
+        for row in new:
+            k = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+            counts.append(k)
+        toks += sum(counts)
+        wall += t2 - t1
+        ttfts += [t1 - t0] * len(new)
+        steps = max(counts)
+        if steps > 1:
+            tpots += [(t2 - t1 - (t1 - t0)) / (steps - 1)] * len(new)
+    return {"requests": len(prompts_msgs), "output_tokens": toks, "wall_s": round(wall, 3),
+            "output_tok_s": round(toks / wall, 2), "ttft_p50_s": pct(ttfts, 50),
+            "ttft_p99_s": pct(ttfts, 99), "tpot_p50_s": pct(tpots, 50),
+            "tpot_p99_s": pct(tpots, 99)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--requests", type=int, default=32, help="requests per closed-loop level "
+                    "(at least the level itself)")
+    ap.add_argument("--single-requests", type=int, default=8,
+                    help="requests at concurrency 1")
+    ap.add_argument("--rate", type=float, default=2.0, help="open loop: requests per second")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--system-tokens", type=int, default=500)
+    ap.add_argument("--no-hf", dest="hf", action="store_false")
+    ap.add_argument("--out", default="results/serving")
+    a = ap.parse_args(argv)
+    import torch  # noqa: F401
+    from prompts import load_prompts
+    from specfork.loader import load_hf
+    levels = [int(x) for x in a.concurrency.split(",")]
+    res = {"command": command_line("bench_serving", argv), "machine": machine(),
+           "max_tokens": a.max_tokens, "runs": []}
+    qs = [p["text"] for p in load_prompts("mtbench")]
+    qs = [qs[(i % 8) * 10 + i // 8] for i in range(len(qs))]        # categories in turn
+    hf, tok = load_hf(MODEL, dtype=torch.float32, device="cpu")
+    sys_text = system_prompt(tok, a.system_tokens)
+    res["system_prompt_tokens"] = len(tok(sys_text)["input_ids"])
+
+    def convs(n, system=False):
+        return [([{"role": "system", "content": sys_text}] if system else [])
+                + [{"role": "user", "content": qs[i % len(qs)]}] for i in range(n)]
+
+    configs = {"plain": ["--drafts", "0"], "spec": ["--drafts", "3"]}
+    for name, flags in configs.items():
+        for cache in (False, True):
+            args = flags + ([] if cache else ["--no-prefix-cache"])
+            with Live(args) as srv:
+                runs = []
+                if not cache:
+                    for c in levels:
+                        n = a.single_requests if c == 1 else max(c, a.requests)
+                        recs, wall = asyncio.run(_closed(srv.url, convs(n), c, a.max_tokens))
+                        runs.append({"workload": f"closed c={c}", "concurrency": c,
+                                     **summary(recs, wall)})
+                        print(name, runs[-1], flush=True)
+                    recs, wall = asyncio.run(_open(srv.url, convs(a.requests), a.rate,
+                                                   a.max_tokens))
+                    runs.append({"workload": f"rate {a.rate}/s", "rate": a.rate,
+                                 **summary(recs, wall)})
+                    print(name, runs[-1], flush=True)
+                before = srv.metrics()
+                recs, wall = asyncio.run(_closed(srv.url, convs(16, system=True), 16,
+                                                 a.max_tokens))
+                after = srv.metrics()
+                prompt = after["specfork_prompt_tokens_total"] - before[
+                    "specfork_prompt_tokens_total"]
+                hit = after["specfork_prefix_cache_hit_tokens_total"] - before[
+                    "specfork_prefix_cache_hit_tokens_total"]
+                runs.append({"workload": "system prompt c=16", "concurrency": 16,
+                             "prompt_tokens": int(prompt), "cached_prompt_tokens": int(hit),
+                             "prefilled_prompt_tokens": int(prompt - hit),
+                             **summary(recs, wall)})
+                print(name, cache, runs[-1], flush=True)
+                res["runs"] += [{"server": name, "prefix_cache": cache, **r} for r in runs]
+    if a.hf:
+        for c in levels:
+            n = a.single_requests if c == 1 else max(c, a.requests)
+            r = hf_static(convs(n), c, a.max_tokens, tok, hf)
+            res["runs"].append({"server": "hf static batch", "prefix_cache": False,
+                                "workload": f"closed c={c}", "concurrency": c, **r})
+            print("hf", res["runs"][-1], flush=True)
+        r = hf_static(convs(16, system=True), 16, a.max_tokens, tok, hf)
+        res["runs"].append({"server": "hf static batch", "prefix_cache": False,
+                            "workload": "system prompt c=16", "concurrency": 16, **r})
+    base = next(r["output_tok_s"] for r in res["runs"] if r["server"] == "plain"
+                and r["workload"] == "closed c=1")
+    for r in res["runs"]:
+        r["vs_plain_c1"] = round(r["output_tok_s"] / base, 2)
+    write_results(a.out, res, markdown, plot)
+    return 0
+
+
+def markdown(res: dict) -> str:
+    m = res["machine"]
+    out = ["# Serving: `specfork serve` vs Hugging Face static batching\n",
+           f"`{res['command']}` on {m['cpu']} ({m['cores']} cores, torch "
+           f"{m['torch']}), {m['date']}. Greedy, up to {res['max_tokens']} tokens per request; "
+           "MT-bench first turns, chat template. Output tokens/s over each run's wall time; "
+           "`x plain c=1`: its ratio to our plain decoding at concurrency 1 in this run.\n",
+           "| server | prefix cache | workload | requests | output tok/s | x plain c=1 | "
+           "TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | prompt tokens prefilled / cached |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    f = lambda x, k=1: "-" if x is None else f"{x * k:.{2 if k == 1 else 0}f}"  # noqa: E731
+    for r in res["runs"]:
+        pre = (f"{r['prefilled_prompt_tokens']} / {r['cached_prompt_tokens']}"
+               if "cached_prompt_tokens" in r else "")
+        out.append(f"| {r['server']} | {'on' if r['prefix_cache'] else 'off'} | "
+                   f"{r['workload']} | {r['requests']} | {r['output_tok_s']:.1f} | "
+                   f"{r['vs_plain_c1']:.2f} | {f(r['ttft_p50_s'])} / {f(r['ttft_p99_s'])} | "
+                   f"{f(r['tpot_p50_s'], 1000)} / {f(r['tpot_p99_s'], 1000)} | {pre} |")
+    out.append(f"\nShared system prompt: {res['system_prompt_tokens']} tokens before each of "
+               "16 concurrent questions.")
+    return "\n".join(out) + "\n"
+
+
+def plot(res: dict, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for srv in ("plain", "spec", "hf static batch"):
+        pts = sorted((r["concurrency"], r["output_tok_s"]) for r in res["runs"]
+                     if r["server"] == srv and r["workload"].startswith("closed")
+                     and not r["prefix_cache"])
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=srv)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests (closed loop)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("specfork serve vs HF static batching")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    from specfork.errors import run_command
+    sys.exit(run_command("bench_serving", lambda: main(sys.argv[1:])))
