@@ -85,7 +85,7 @@ class Live:
         return self
 
     def __exit__(self, *exc):
-        self.proc.send_signal(signal.SIGINT)
+        self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -113,6 +113,11 @@ async def _closed(url, convs, concurrency: int, max_tokens: int) -> tuple[list, 
     import openai
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=900,
                                 max_retries=0)
+    async with client:
+        return await _closed_on(client, convs, concurrency, max_tokens)
+
+
+async def _closed_on(client, convs, concurrency: int, max_tokens: int) -> tuple[list, float]:
     todo = list(convs)
     out = []
 
@@ -129,6 +134,11 @@ async def _open(url, convs, rate: float, max_tokens: int, seed: int = 0):
     import openai
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=900,
                                 max_retries=0)
+    async with client:
+        return await _open_on(client, convs, rate, max_tokens, seed)
+
+
+async def _open_on(client, convs, rate: float, max_tokens: int, seed: int):
     rng = random.Random(seed)
     tasks = []
     t0 = time.perf_counter()

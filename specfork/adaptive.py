@@ -99,9 +99,22 @@ class DraftController:
 
     def __init__(self, drafters: list, draft_len: int, cost, probe: int = PROBE):
         self.drafters, self.draft_len, self.cost, self.probe = drafters, draft_len, cost, probe
+        # a new request starts from what the last one measured (acceptance, drafting cost,
+        # probe gaps) instead of the prior: a server's requests are short and alike, and a
+        # fresh prior would try every drafter (and prefill the draft) in each one
+        self.warm_start = False
+        self.tracks: list[_Track] = []
         self.begin()
 
     def begin(self) -> None:
+        self.ctx = None                           # the last plan's batch context
+        self.predicted = 0.0                      # the chosen plan's E[accepted]
+        self.trace: list[list[int]] = []          # per step, each drafter's depth (0: off)
+        self.off_steps = self.probe_steps = 0
+        if self.warm_start and self.tracks:
+            for t in self.tracks:
+                t.idle, t.probed = 0, False
+            return
         self.tracks = [_Track(getattr(d, "depth", self.draft_len) if self._tree(d)
                               else self.draft_len, self._tree(d)) for d in self.drafters]
         for d, t in zip(self.drafters, self.tracks):
@@ -109,10 +122,7 @@ class DraftController:
             if t.tree:
                 t.width = d.tree_tokens / max(1, d.depth)
         self.kappa = 1.0
-        self.predicted = 0.0                      # the chosen plan's E[accepted]
         self.cost.reset()
-        self.trace: list[list[int]] = []          # per step, each drafter's depth (0: off)
-        self.off_steps = self.probe_steps = 0
 
     @staticmethod
     def _tree(d) -> bool:
@@ -125,8 +135,10 @@ class DraftController:
     def _value(self, depths: list[int], ctx=None) -> tuple[float, float, float]:
         """(tokens per second, expected accepted, rows) of a plan (depth per drafter). `ctx`:
         (tokens, rows, draft seconds) of the other requests in the same forward (None: alone),
-        so the value is the whole step's: a tree's rows cost what they add to the batch's
-        forward, and its tokens are weighed against the batch's."""
+        so the value is the whole step's: its tokens are weighed against the batch's, and a
+        tree costs what it adds to the batch's forward: the larger of what its rows add to
+        the batch's matmuls and what it costs over a decode step alone (its own attention
+        and bookkeeping, which do not shrink in a batch)."""
         ctx_tokens, ctx_rows, ctx_secs = ctx or (0, 0, 0.0)
         none_left = [1.0] * (self.draft_len + max((t.max_depth for t in self.tracks), default=0))
         rows, secs = 1.0, 0.0
@@ -139,13 +151,21 @@ class DraftController:
             elif self.cheap(i):
                 secs += t.cost(self.draft_len)    # shadowed: it drafts anyway
         expected = sum(1 - x for x in none_left)
-        return ((ctx_tokens + 1 + self.kappa * expected)
-                / (ctx_secs + secs + self.cost.seconds(ctx_rows + rows)), expected, rows)
+        c = self.cost
+        if ctx is None:
+            verify = c.seconds(rows)
+        else:
+            verify = c.seconds(ctx_rows + 1) + max(c.seconds(ctx_rows + rows)
+                                                  - c.seconds(ctx_rows + 1),
+                                                  c.seconds(rows) - c.seconds(1))
+        return (ctx_tokens + 1 + self.kappa * expected) / (ctx_secs + secs + verify), \
+            expected, rows
 
     def plan(self, ctx=None) -> list[int]:
         """This step's depth per drafter (0: not verified this step); `ctx` as `_value`."""
         forced = [i for i, t in enumerate(self.tracks)
                   if not self.cheap(i) and t.idle >= t.gap]
+        self.ctx = ctx
         best_depths, best_e = self._best(forced, ctx)
         for i, t in enumerate(self.tracks):
             t.probed = i in forced
@@ -188,7 +208,7 @@ class DraftController:
         self.cost.observe(rows, verify_s)
         probed = [i for i, t in enumerate(self.tracks) if t.probed]
         if probed:                          # with what the probe taught: still not worth it?
-            free = self._best([])[0]
+            free = self._best([], self.ctx)[0]        # in the batch it was probed in
             for i in probed:
                 t = self.tracks[i]
                 t.gap = self.probe if free[i] else min(PROBE_MAX, 2 * t.gap)

@@ -82,6 +82,7 @@ class AttnMeta:
     run: tuple[int, int] | None = None        # CPU decode/cascade: (first slot, length) of the
     #                                           prefix's leading run, read as a view; `read`
     #                                           then holds only the slots after it
+    bulk: bool = False                        # prompt rows only (a causal chain of > 1 token)
 
     @classmethod
     def prefill(cls, model, prefix: torch.Tensor, write: torch.Tensor) -> "AttnMeta":
@@ -129,7 +130,7 @@ class AttnMeta:
                 run, prefix = (int(prefix[0]), r), prefix[r:]
         read = torch.cat((prefix, write)) if path == DECODE else prefix
         read, write, write_src = _to_device(dev, read, write, write_src)
-        meta = cls(path, L, read, write, write_src, run=run)
+        meta = cls(path, L, read, write, write_src, run=run, bulk=causal and T > 1)
         if path in (DECODE, CAUSAL):
             return meta
         if path == ROWS:                   # row i's keys: the prefix, then its tree ancestors
@@ -217,6 +218,7 @@ class BatchMeta:
     def __init__(self, metas: list[AttnMeta], sizes: list[int]):
         self.metas, self.sizes = metas, sizes                 # sizes[i]: request i's rows
         self.path = "batch"
+        self.bulk = all(m.bulk for m in metas)
         writes, srcs, start = [], [], 0
         for m, n in zip(metas, sizes):
             if m.write is not None:

@@ -249,8 +249,8 @@ def serve(a) -> int:
     if not 0 < a.port < 65536:
         raise SpecforkError(f"--port must be in 1..65535, got {a.port}")
     dec = _checked_loader(a, _drafting_flags(a), max_kv_tokens=a.max_kv_tokens)()
-    dec.engine.configure(max_batch=a.max_batch, prefill_tokens=a.prefill_tokens,
-                         prefix_cache=a.prefix_cache)
+    dec.serving(max_batch=a.max_batch, prefill_tokens=a.prefill_tokens,
+                prefix_cache=a.prefix_cache)
     from specfork.server import serve as run_server
     name = a.served_model_name or a.target
     print(f"specfork: serving '{name}' on http://{a.host}:{a.port}/v1", file=sys.stderr,

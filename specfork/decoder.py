@@ -19,6 +19,7 @@ from specfork.kv_quant import calibration_ids, parse_kv_format
 from specfork.kv_tree import KVTree
 from specfork.model import Model
 from specfork.request import Request
+from specfork.scheduler import MAX_BATCH, PREFILL_TOKENS
 from specfork.sampling import check_sampling, sampling_params
 from specfork.token_tree import TokenTree
 from specfork.types import GenerateOutput
@@ -64,6 +65,7 @@ class SpecDecoder:
             self.controller = DraftController(
                 self.drafters, draft_len,
                 cost_model.for_model(model, self.kv, self.tree_budget + 1))
+        self.warm_start = False          # `serving`: adaptive drafting warm-starts requests
         # drafter sets free for the next request: the decoder's own first (`_acquire_drafters`)
         self._free_sets = [(self.drafters, self.controller)] if self.num_paths else []
 
@@ -145,8 +147,19 @@ class SpecDecoder:
             if self.controller is not None:
                 ctl = DraftController(ds, self.draft_len, cost_model.CostModel(
                     self.controller.cost.table))
+        if ctl is not None:
+            ctl.warm_start = self.warm_start
         cols = self._feature_cols(ds)
         return ds, ctl, cols, lambda: self._free_sets.append((ds, ctl))
+
+    def serving(self, max_batch: int = MAX_BATCH, prefill_tokens: int = PREFILL_TOKENS,
+                prefix_cache: bool = True) -> "SpecDecoder":
+        """Set up for many requests (a server): the engine's batch and prefill settings and its
+        prefix cache, and adaptive drafting that starts each request from what the previous
+        one on the same drafters measured (`DraftController.warm_start`)."""
+        self.engine.configure(max_batch, prefill_tokens, prefix_cache)
+        self.warm_start = True
+        return self
 
     def _feature_cols(self, drafters) -> dict:
         """Per feature drafter, its columns of the captured [k, len(capture) * hidden] rows

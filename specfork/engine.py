@@ -29,8 +29,10 @@ from specfork.model import Model
 from specfork.prefix_cache import PrefixCache
 from specfork.request import FINISHED, RUNNING, Request
 from specfork.scheduler import MAX_BATCH, PREFILL_TOKENS, Scheduler
+from specfork.spec_gate import SpecGate
 
 DEFAULT_KV_TOKENS = 8192           # KV pool size when none is given (capped at the context)
+SHARE_MIN = 32                     # prompt tokens shared with one being prefilled: worth a wait
 
 
 def check_prompt(prompt) -> None:
@@ -73,6 +75,7 @@ class Engine:
         self.capture = None             # target features the requests' drafters read
         self.scheduler = Scheduler()
         self.cache: PrefixCache | None = None
+        self.gate = SpecGate()          # does the batch speculate at all (measured per size)
         self.lock = threading.Lock()    # guards the inbox: other threads add and cancel
         self.inbox: list[Request] = []
         self.cancels: list[Request] = []
@@ -174,9 +177,11 @@ class Engine:
             return done
         t0 = time.perf_counter()
         decoding, chunks = self._make_room()
+        drafting = any(r.num_paths for r in decoding)
+        spec = drafting and self.gate.allow(len(decoding))
         parts = []
         try:
-            self._plan(decoding, chunks, parts)
+            self._plan(decoding, chunks, parts, spec)
             logits, feats, sizes = self._forward(parts)
         except BaseException:
             for r, p in parts:
@@ -186,12 +191,14 @@ class Engine:
         step_s = time.perf_counter() - t0
         li = a = 0
         c = self.counters
+        emitted = c["emitted"]
         for (r, p), n in zip(parts, sizes):
             lg = logits[li:li + len(p.logits)]
             li += len(p.logits)
             f = None if feats is None else feats[a:a + n]
             a += n
-            lead = p.kind == "prefill" and not r.prefilling and not r.out and r.siblings
+            lead = p.kind == "prefill" and not r.prefilling and not r.out and (
+                r.siblings or self.cache is not None)
             new = r.commit(self.kv, p, lg, f, rows_total, step_s)
             c["emitted"] += len(new)
             if p.tree is not None and len(p.tree) > 1:
@@ -205,6 +212,9 @@ class Engine:
                 done.append(r)
         c["steps"] += 1
         c["busy_s"] += time.perf_counter() - t0
+        if drafting and not chunks:
+            self.gate.record(len(decoding), spec, c["emitted"] - emitted,
+                             time.perf_counter() - t0)
         return done
 
     def fail_running(self, error: str) -> None:
@@ -221,6 +231,8 @@ class Engine:
         start is cached) if the pool has room for the rest of its prompt; False: not now."""
         br, m = (None, 0)
         if self.cache is not None:
+            if self._shares_prefill(req):
+                return False
             br, m = self.cache.fork(req.tokens, req.target - (0 if req.out else 1))
         need = self._blocks(req.target - m) + 2 + self._watermark()
         while len(self.pool.free) < need:
@@ -237,6 +249,22 @@ class Engine:
         self.counters["cached_tokens"] += m
         req.start_drafters()
         return True
+
+    def _shares_prefill(self, req: Request) -> bool:
+        """A running request is prefilling a prompt that starts as `req`'s does (by more than
+        the cache already holds): `req` waits for it to be cached rather than prefill the same
+        tokens beside it (in-batch prefix sharing, as SGLang's scheduler does)."""
+        have = self.cache.match(req.tokens)[0] if len(self.cache) else 0
+        for r in self.scheduler.running:
+            if r.prefilling and r is not req:
+                n = 0
+                for a, b in zip(req.tokens, r.prompt):
+                    if a != b:
+                        break
+                    n += 1
+                if n - have >= SHARE_MIN:
+                    return True
+        return False
 
     def _blocks(self, tokens: int) -> int:
         """Blocks that `tokens` new tokens of one branch take, a partial last one included."""
@@ -272,9 +300,10 @@ class Engine:
         req.preempted += 1
         self.counters["preemptions"] += 1
 
-    def _plan(self, decoding: list[Request], chunks: list, parts: list) -> None:
+    def _plan(self, decoding: list[Request], chunks: list, parts: list, spec: bool) -> None:
         """Each request's rows into `parts`: prefill chunks first, then decoding requests, each
-        speculating as its controller plans against the rest of the step."""
+        speculating (where `spec`: the gate lets the batch) as its controller plans against
+        the rest of the step."""
         for r, n in chunks:
             parts.append((r, r.plan_prefill(self.model, self.kv, n)))
         reserve = 2 * len(decoding)
@@ -284,7 +313,7 @@ class Engine:
             reserve -= 2
             rows -= 1
             toks -= 1
-            if r.num_paths and r.speculate:
+            if spec and r.num_paths:
                 paths, props, dsecs, depths = r.propose((toks, rows, secs))
                 p = r.plan_tree(self.model, self.kv, paths, depths, props, dsecs,
                                 room=len(self.pool.free) - reserve)
@@ -316,9 +345,11 @@ class Engine:
         return logits, feats, sizes
 
     def _fork_siblings(self, lead: Request, rows, logits, feats, step_rows, step_s) -> list:
-        """n > 1: the lead's prompt is prefilled; every sibling (and the lead itself) continues
-        on a CoW fork of it, so the prompt is stored once. Siblings draw their first token from
-        the same logits with their own generators. Returns the siblings already finished."""
+        """The lead's prompt is prefilled: the lead and its siblings (n > 1) each continue on a
+        CoW fork of it, so the prompt is stored once, and with the prefix cache on the prompt
+        branch is cached now, for requests that start the same way while this one decodes.
+        Siblings draw their first token from the same logits with their own generators.
+        Returns the siblings already finished."""
         P = lead.branch
         lead.branch = self.kv.fork(P)
         done = []
@@ -333,7 +364,10 @@ class Engine:
                 self.scheduler.remove(sib)
                 self._finish(sib)
                 done.append(sib)
-        self.kv.release(P)
+        if self.cache is not None:
+            self.cache.insert(lead.prompt, P)
+        else:
+            self.kv.release(P)
         return done
 
     def _finish(self, req: Request) -> None:

@@ -75,7 +75,6 @@ class Request:
         self.cached_tokens = 0                    # prompt tokens forked from the prefix cache
         self.preempted = 0
         self.stats = stats
-        self.speculate = True                     # the engine turns it off under load
         self.t_arrive = time.perf_counter()
         self.t_first: float | None = None
         self.t_done: float | None = None

@@ -8,8 +8,10 @@ of a stop string or of a UTF-8 character. A client that disconnects cancels its 
 frees their branches at the next step.
 """
 import asyncio
+import concurrent.futures
 import contextlib
 import json
+import signal
 import threading
 import time
 import uuid
@@ -36,21 +38,45 @@ class APIError(Exception):
 
 
 class EngineLoop:
-    """Steps the engine on its own thread while it has work; sleeps otherwise. A step that
-    fails ends the requests it ran with an error (the server stays up)."""
+    """Steps the engine while it has work; sleeps otherwise. A step that fails ends the
+    requests it ran with an error (the server stays up).
 
-    def __init__(self, engine):
+    `specfork serve` runs it on the main thread and the event loop on another: torch's
+    OpenMP team belongs to the thread that first ran a parallel op (the model load's), and
+    a second thread's ops ran 2-4x slower beside it (a 1 x 576 x 1536 product: 35 us on the
+    main thread, 137 us on another, Xeon, 2 threads). `thread=True` (tests) steps it on a
+    thread of its own."""
+
+    def __init__(self, engine, thread: bool = True):
         self.engine = engine
         self.wake = threading.Event()
+        self.lock = threading.Lock()
+        self.calls: list = []
         self.stopping = False
-        self.thread = threading.Thread(target=self._run, name="specfork-engine", daemon=True)
-        self.tokens_out = 0
-        self.t_start = time.time()
-        self.thread.start()
+        self.thread = None
+        if thread:
+            self.thread = threading.Thread(target=self.run, name="specfork-engine",
+                                           daemon=True)
+            self.thread.start()
 
-    def submit(self, req) -> None:
-        self.engine.add(req)
+    def call(self, fn) -> concurrent.futures.Future:
+        """Run `fn()` on the engine's thread before its next step (any thread may ask): what
+        makes requests (drafter sets, their KV pools) runs there too, since a torch op on the
+        event loop's thread starts a second OpenMP team that slows the engine's ops."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self.lock:
+            self.calls.append((fn, fut))
         self.wake.set()
+        return fut
+
+    def _run_calls(self) -> None:
+        with self.lock:
+            calls, self.calls = self.calls, []
+        for fn, fut in calls:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:
+                fut.set_exception(e)
 
     def cancel(self, req) -> None:
         self.engine.cancel(req)
@@ -59,11 +85,14 @@ class EngineLoop:
     def stop(self) -> None:
         self.stopping = True
         self.wake.set()
-        self.thread.join(timeout=30)
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=30)
 
-    def _run(self) -> None:
+    def run(self, alive=lambda: True) -> None:
+        """Step until `stop` (or until `alive()` turns false)."""
         eng = self.engine
-        while not self.stopping:
+        while not self.stopping and alive():
+            self._run_calls()
             if not eng.has_work:
                 self.wake.wait(0.2)
                 self.wake.clear()
@@ -71,7 +100,8 @@ class EngineLoop:
             try:
                 eng.step()
             except Exception as e:              # fail what ran; keep serving the rest
-                eng.fail_running(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                line = str(e).splitlines()[0] if str(e) else ""
+                eng.fail_running(f"{type(e).__name__}: {line}")
 
 
 class _Choice:
@@ -125,10 +155,11 @@ def _num(body: dict, key: str, kind, default=None, lo=None, hi=None, lo_open=Fal
 class Server:
     """The routes' logic over one `SpecDecoder` (its engine configured for serving)."""
 
-    def __init__(self, dec, model_name: str, max_waiting: int = MAX_WAITING):
+    def __init__(self, dec, model_name: str, max_waiting: int = MAX_WAITING,
+                 engine_thread: bool = True):
         self.dec, self.name, self.max_waiting = dec, model_name, max_waiting
         self.engine = dec.engine
-        self.loop = EngineLoop(self.engine)
+        self.loop = EngineLoop(self.engine, engine_thread)
         self.created = int(time.time())
 
     # -- request parsing ----------------------------------------------------------------------
@@ -222,9 +253,10 @@ class Server:
             raise APIError(400, str(e), "prompt") from None
 
     # -- running --------------------------------------------------------------------------------
-    def start(self, ids: list[int], p: dict, aloop: asyncio.AbstractEventLoop):
-        """Engine requests for one prompt, queued, and the asyncio queue their events reach:
-        ("tokens", choice, new) and ("done", choice, request)."""
+    async def start(self, ids: list[int], p: dict, aloop: asyncio.AbstractEventLoop):
+        """Engine requests for one prompt, made and queued on the engine's thread, and the
+        asyncio queue their events reach: ("tokens", choice, new) and ("done", choice,
+        request)."""
         if len(self.engine.scheduler.waiting) + len(self.engine.inbox) >= self.max_waiting:
             raise APIError(429, "the server is overloaded: too many queued requests",
                            code="overloaded", kind="rate_limit_error")
@@ -233,17 +265,22 @@ class Server:
         def on_tokens(i, new):
             aloop.call_soon_threadsafe(q.put_nowait, ("tokens", i, list(new)))
 
+        max_tokens = p["max_tokens"] or self._room(ids)
+
+        def make():
+            reqs = self.dec.request(ids, max_tokens, p["temperature"], p["top_p"], p["top_k"],
+                                    p["seed"], p["n"], on_tokens, p["logprobs"])
+            for i, r in enumerate(reqs):
+                r.on_done = lambda r, i=i: aloop.call_soon_threadsafe(q.put_nowait,
+                                                                      ("done", i, r))
+            self.engine.add(reqs[0])
+            return reqs
+
         try:
-            reqs = self.dec.request(ids, p["max_tokens"] or self._room(ids), p["temperature"],
-                                    p["top_p"], p["top_k"], p["seed"], p["n"], on_tokens,
-                                    p["logprobs"])
+            reqs = await asyncio.wrap_future(self.loop.call(make))
         except SpecforkError as e:
             code = "context_length_exceeded" if "exceeds the context" in str(e) else None
             raise APIError(400, str(e), "max_tokens" if code else None, code) from None
-        for i, r in enumerate(reqs):
-            r.on_done = lambda r, i=i: aloop.call_soon_threadsafe(q.put_nowait,
-                                                                  ("done", i, r))
-        self.loop.submit(reqs[0])
         return reqs, q
 
     def _room(self, ids: list[int]) -> int:
@@ -369,7 +406,7 @@ def build_app(server: Server):
         p = server._params(body, chat)
         ids = server._chat_ids(body) if chat else server._completion_ids(body)
         aloop = asyncio.get_running_loop()
-        reqs, q = server.start(ids, p, aloop)
+        reqs, q = await server.start(ids, p, aloop)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if chat else "text_completion"
         created = int(time.time())
@@ -482,7 +519,18 @@ def _sse(obj: dict) -> str:
 
 def serve(dec, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           max_waiting: int = MAX_WAITING) -> None:
-    """Run the server until interrupted."""
+    """Run the server until interrupted: the engine on this (the main) thread, the event
+    loop on another (see `EngineLoop`)."""
     import uvicorn
-    app = build_app(Server(dec, model_name, max_waiting))
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    server = Server(dec, model_name, max_waiting, engine_thread=False)
+    uv = uvicorn.Server(uvicorn.Config(build_app(server), host=host, port=port,
+                                       log_level="warning"))
+    web = threading.Thread(target=uv.run, name="specfork-http", daemon=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):     # Ctrl-C or a kill: stop, then exit
+        signal.signal(sig, lambda *_: server.loop.stop())
+    web.start()
+    try:
+        server.loop.run(alive=web.is_alive)
+    finally:
+        uv.should_exit = True
+        web.join(timeout=30)

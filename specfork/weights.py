@@ -57,7 +57,9 @@ class QuantLinear:
         else:
             raise SpecforkError(f"unknown weight format {fmt!r}")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bulk: bool = False) -> torch.Tensor:
+        """`bulk` (prompt rows only) changes nothing: these kernels give a row the same bits
+        in any call."""
         xb = x.to(torch.bfloat16)
         if self.fmt == "bfloat16":
             y = (torch.ops.mkldnn._linear_pointwise(xb, self.packed, None, "none", [], "")
@@ -69,7 +71,7 @@ class QuantLinear:
         y = y.to(x.dtype)
         return y if self.b is None else y.add_(self.b)
 
-    def add_to(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    def add_to(self, x: torch.Tensor, a: torch.Tensor, bulk: bool = False) -> torch.Tensor:
         """x + self(a) (the residual add)."""
         return self(a).add_(x)
 

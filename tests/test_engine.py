@@ -154,3 +154,43 @@ def test_speculation_backs_off_as_the_batch_grows():
     alone = rows_per_step([dec.request(prompts[0], 30)[0]])
     many = rows_per_step([dec.request(p, 30)[0] for p in prompts])
     assert alone > 0.5 and many < alone / 2
+
+
+def test_shared_prompt_prefilled_once_for_concurrent_requests():
+    """Requests arriving together with a shared 60-token start: the first prefills it, the
+    others wait for it to be cached and fork it, so it is prefilled once; outputs equal each
+    request run alone."""
+    dec = _decoder()
+    shared = _prompts(1, n=60, seed=11)[0]
+    prompts = [shared + [7 + i, 9] for i in range(4)]
+    alone = _alone(dec, prompts, 10)
+    dec.engine.configure(max_batch=4, prefix_cache=True)
+    before = dict(dec.engine.counters)
+    reqs = [dec.request(p, 10)[0] for p in prompts]
+    dec.engine.run(reqs)
+    assert [r.out for r in reqs] == alone
+    assert [r.cached_tokens for r in reqs] == [0] + [len(shared)] * 3
+    assert dec.engine.counters["cached_tokens"] - before["cached_tokens"] == 3 * len(shared)
+    dec.engine.configure(prefix_cache=False)
+    assert dec.pool.used_blocks == 0
+
+
+def test_spec_gate_follows_the_faster_arm():
+    """The gate lets a batch speculate while speculating steps give more tokens per second,
+    stops when they give fewer (still trying the slower arm one step in EXPLORE), and never
+    gates a lone request."""
+    from specfork.spec_gate import EXPLORE, SpecGate
+    g = SpecGate()
+    assert all(g.allow(1) for _ in range(50))
+
+    def run(spec_rate, plain_rate, steps=200):
+        on = 0
+        for _ in range(steps):
+            s = g.allow(16)
+            on += s
+            g.record(16, s, 16, 16 / (spec_rate if s else plain_rate))
+        return on / steps
+
+    assert run(spec_rate=100, plain_rate=140) < 2 / EXPLORE       # slower: off
+    assert run(spec_rate=200, plain_rate=140, steps=300) > 0.6    # faster: back on
+    assert g.stats()["16+"]["tok_s_spec"] > g.stats()["16+"]["tok_s_plain"]
