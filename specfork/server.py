@@ -201,9 +201,15 @@ class Server:
         opts = body.get("stream_options") or {}
         if not isinstance(opts, dict):
             raise APIError(400, "'stream_options' must be an object", "stream_options")
-        return dict(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                    top_k=None if top_k in (None, -1, 0) else top_k, seed=seed, stop=stop,
-                    logprobs=logprobs, stream=stream,
+        best_of = None if chat else _num(body, "best_of", int, None, 1, 16)
+        if best_of is not None and (best_of < n or stream):
+            raise APIError(400, "'best_of' must be >= n, and cannot be streamed", "best_of")
+        # best_of: that many choices, the n of highest log-probability returned
+        draws = best_of or n
+        return dict(n=n, draws=draws, max_tokens=max_tokens, temperature=temperature,
+                    top_p=top_p, top_k=None if top_k in (None, -1, 0) else top_k, seed=seed,
+                    stop=stop, logprobs=logprobs, stream=stream,
+                    kept_logprobs=logprobs if logprobs is not None or draws == n else 0,
                     usage_in_stream=bool(opts.get("include_usage")))
 
     def _chat_ids(self, body: dict) -> list[int]:
@@ -269,7 +275,7 @@ class Server:
 
         def make():
             reqs = self.dec.request(ids, max_tokens, p["temperature"], p["top_p"], p["top_k"],
-                                    p["seed"], p["n"], on_tokens, p["logprobs"])
+                                    p["seed"], p["draws"], on_tokens, p["kept_logprobs"])
             for i, r in enumerate(reqs):
                 r.on_done = lambda r, i=i: aloop.call_soon_threadsafe(q.put_nowait,
                                                                       ("done", i, r))
@@ -434,7 +440,8 @@ def build_app(server: Server):
         def chunk(i: int, text: str, finish: str | None) -> dict:
             r = reqs[i]
             n_tok = len(r.out) if finish else len(choices[i].ids)
-            lp = server.logprobs_of(r, lp_sent[i], n_tok, chat)
+            lp = server.logprobs_of(r, lp_sent[i], n_tok, chat) if p["logprobs"] is not None \
+                else None
             lp_sent[i] = n_tok
             if chat:
                 delta = {"content": text} if text else {}
@@ -490,9 +497,15 @@ def build_app(server: Server):
             msg = next(r.error for r in reqs if r.finish_reason == "error")
             return JSONResponse(APIError(500, f"generation failed: {msg}",
                                          kind="server_error").body(), status_code=500)
+        picked = list(range(len(reqs)))
+        if p["draws"] > p["n"]:                       # best_of: by cumulative log-probability
+            def total(i):
+                return sum(lp for lp, _ in reqs[i].token_logprobs[:len(choices[i].ids)])
+            picked = sorted(picked, key=lambda i: -total(i))[:p["n"]]
         out = []
-        for i, (r, ch) in enumerate(zip(reqs, choices)):
-            lp = server.logprobs_of(r, 0, len(ch.ids), chat)
+        for i, (r, ch) in enumerate((reqs[j], choices[j]) for j in picked):
+            lp = server.logprobs_of(r, 0, len(ch.ids), chat) if p["logprobs"] is not None \
+                else None
             if chat:
                 out.append({"index": i, "message": {"role": "assistant", "content": ch.text},
                             "logprobs": lp, "finish_reason": ch.finish})

@@ -118,6 +118,20 @@ def test_n_choices_stop_strings_and_logprobs(live, ref):
     assert sorted(x.index for x in r.choices) == [0, 1, 2]
     assert 3 <= r.usage.completion_tokens <= 36
     assert len({x.message.content for x in r.choices}) > 1      # three draws, not one
+    # best_of: three draws, the most likely one returned, every draw's tokens billed
+    r = c.completions.create(model="smollm2-135m", prompt="Once upon a time", best_of=3, n=1,
+                             temperature=1.0, seed=2, max_tokens=8)
+    assert len(r.choices) == 1 and r.choices[0].index == 0 and r.choices[0].logprobs is None
+    own = len(server.dec.tokenizer(r.choices[0].text, add_special_tokens=False)["input_ids"])
+    assert own - 1 <= r.usage.completion_tokens <= 3 * 8
+    counted = server.engine.counters["emitted"]
+    r = c.completions.create(model="smollm2-135m", prompt="Once upon a time", best_of=3, n=1,
+                             temperature=1.0, max_tokens=8, logprobs=0)
+    assert server.engine.counters["emitted"] - counted == r.usage.completion_tokens
+    assert len(r.choices[0].logprobs.token_logprobs) >= 1
+    for bad in ({"best_of": 1, "n": 2}, {"best_of": 2, "stream": True}):
+        with pytest.raises(openai.BadRequestError):
+            c.completions.create(model="smollm2-135m", prompt="hi", max_tokens=2, **bad)
     # a stop string in the middle of the greedy answer: cut exactly where it starts
     text = ref[PROMPTS[0]]
     stop = text[len(text) // 2:len(text) // 2 + 3]
