@@ -13,7 +13,8 @@ chunk, one decode token, or its verify tree: `specfork/request.py`); all rows ru
 forward under a block-diagonal `BatchMeta`; each request commits its own. Speculation is
 planned per request against the rest of the batch (`DraftController.plan(ctx)`): as the batch
 grows, a tree's rows add more to the step's time than its tokens are worth, and drafting
-switches off, from measured step costs.
+switches off, from measured step costs; `SpecGate` (`specfork/spec_gate.py`) decides from
+measured steps whether a batch of that size speculates at all.
 """
 from __future__ import annotations
 
