@@ -391,6 +391,5 @@ class Engine:
                 sib.error = req.error
                 self._finish(sib)
         req.status = FINISHED
-        req.t_done = time.perf_counter()
         if req.on_done is not None:
             req.on_done(req)

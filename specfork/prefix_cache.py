@@ -29,7 +29,6 @@ class PrefixCache:
         self.used: dict[int, int] = {}                            # id -> last use (a clock)
         self._clock = itertools.count()
         self._ids = itertools.count()
-        self.hit_tokens = 0                    # prompt tokens served from the cache, in all
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -59,7 +58,6 @@ class PrefixCache:
         m, br = self.match(tokens[:limit])
         if br is None:
             return None, 0
-        self.hit_tokens += m
         return self.kv.fork(br, at=m), m
 
     def insert(self, tokens: list[int], branch) -> bool:

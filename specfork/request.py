@@ -53,7 +53,7 @@ class Request:
                  drafters: list | None = None, controller=None, num_paths: int = 0,
                  draft_len: int = 4, tree_budget: int = 1, capture=None,
                  feature_cols: dict | None = None,
-                 on_tokens: Callable[[list[int]], None] | None = None, n: int = 1,
+                 on_tokens: Callable[[list[int]], None] | None = None,
                  stats=None, logprobs: int | None = None):
         """`logprobs`: keep each emitted token's log-probability under the target (and that
         many most likely alternatives) in `token_logprobs`; None: keep none."""
@@ -66,7 +66,6 @@ class Request:
         self.capture = capture if self.num_paths else None
         self.feature_cols = feature_cols or {}
         self.on_tokens = on_tokens
-        self.n = n                                # forks of the prompt to sample (n > 1)
         self.out: list[int] = []
         self.status = WAITING
         self.finish_reason: str | None = None
@@ -75,9 +74,6 @@ class Request:
         self.cached_tokens = 0                    # prompt tokens forked from the prefix cache
         self.preempted = 0
         self.stats = stats
-        self.t_arrive = time.perf_counter()
-        self.t_first: float | None = None
-        self.t_done: float | None = None
         self.begun = False
         self.logprobs = logprobs
         self.token_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
@@ -148,14 +144,13 @@ class Request:
         a CoW copy per fork) `room` blocks free, the step verifies nothing: a decode step."""
         B, n, dev = self.branch, self.branch.length, model.device
         tree = TokenTree.build(self.out[-1], paths, self.tree_budget)
-        if len(tree) > 1 and room is not None and \
-                sum(len(p) + 1 for p in tree.leaf_paths()) > room:
-            tree = TokenTree.build(self.out[-1], [], self.tree_budget)
+        leaves = tree.leaf_paths() if len(tree) > 1 else []
+        if room is not None and sum(len(p) + 1 for p in leaves) > room:
+            tree, leaves = TokenTree.build(self.out[-1], [], self.tree_budget), []
         if len(tree) == 1:
             rows = self.plan_decode(model, kv)
             rows.tree, rows.depths, rows.props, rows.secs = tree, depths, props, secs
             return rows
-        leaves = tree.leaf_paths()
         forks = []
         try:
             writes = []
@@ -304,8 +299,6 @@ class Request:
                                                        top.values[i].tolist()))
                 self.token_logprobs.append((float(lp[i, t]), alts))
         self.out += new
-        if self.t_first is None and new:
-            self.t_first = time.perf_counter()
         if self.finish_reason is None and len(self.out) >= self.max_new:
             self.finish_reason = "length"
         if self.on_tokens and new:

@@ -43,9 +43,9 @@ class EngineLoop:
 
     `specfork serve` runs it on the main thread and the event loop on another: torch's
     OpenMP team belongs to the thread that first ran a parallel op (the model load's), and
-    a second thread's ops ran 2-4x slower beside it (a 1 x 576 x 1536 product: 35 us on the
-    main thread, 137 us on another, Xeon, 2 threads). `thread=True` (tests) steps it on a
-    thread of its own."""
+    a second thread's ops ran several times slower beside it on this 2-core Xeon (serving
+    with drafts ran at half its in-process speed until requests were made on this thread
+    too). `thread=True` (tests) steps it on a thread of its own."""
 
     def __init__(self, engine, thread: bool = True):
         self.engine = engine
