@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 
@@ -39,6 +40,7 @@ def _args(argv):
                    "(CPU; auto: float32)")
     g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     _kv_arg(g)
+    _tp_arg(g)
     g.add_argument("--raw", action="store_true", help="no chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     s = sub.add_parser("score", help="per-token NLL and perplexity of a text (no chat template)")
@@ -50,6 +52,7 @@ def _args(argv):
     s.add_argument("--weights", default="auto", help="as for generate")
     s.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     _kv_arg(s)
+    _tp_arg(s)
     s.add_argument("--json", action="store_true",
                    help="print one JSON object: tokens, nll (tokens 1..), ppl")
     v = sub.add_parser("serve", help="an OpenAI-compatible server (continuous batching)")
@@ -75,6 +78,7 @@ def _args(argv):
     v.add_argument("--weights", default="auto", help="as for generate")
     v.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     _kv_arg(v)
+    _tp_arg(v)
     return p.parse_args(argv)
 
 
@@ -104,6 +108,12 @@ def _draft_args(g) -> None:
                         "down to plain decoding)")
 
 
+def _tp_arg(g) -> None:
+    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="shard the target over N processes (gloo on CPU, NCCL on GPU; the "
+                        "target's KV heads must divide by N; under torchrun: its process count)")
+
+
 def _kv_arg(g) -> None:
     g.add_argument("--kv-cache", default="auto",
                    help="KV cache format: auto (the model's dtype), float32, bfloat16, float16, "
@@ -122,11 +132,13 @@ def score(a) -> int:
     check_device(a.device)
     check_weights(a.weights, a.device)
     parse_kv_format(a.kv_cache)
+    _tensor_parallel(a)
     text = _prompt(a)
     check_prompt(text)
     dtype = getattr(torch, a.dtype) if a.dtype else None
     dec = SpecDecoder.from_pretrained(target=a.target, dtype=dtype, device=a.device,
-                                      weights=a.weights, kv_cache=a.kv_cache)
+                                      weights=a.weights, kv_cache=a.kv_cache,
+                                      tensor_parallel=_tensor_parallel(a))
     res = dec.score(text)
     if a.json:
         print(json.dumps(res))
@@ -143,6 +155,13 @@ def _prompt(a) -> str:
         return sys.stdin.read()
     with open(a.prompt_file, encoding="utf-8") as f:
         return f.read()
+
+
+def _tensor_parallel(a) -> int:
+    from specfork.errors import SpecforkError
+    if a.tensor_parallel < 1:
+        raise SpecforkError(f"--tensor-parallel must be >= 1, got {a.tensor_parallel}")
+    return a.tensor_parallel
 
 
 def _drafting_flags(a) -> dict:
@@ -174,12 +193,13 @@ def _checked_loader(a, drafting: dict, **kw):
     check_device(a.device)
     check_weights(a.weights, a.device)
     parse_kv_format(a.kv_cache)
+    tp = _tensor_parallel(a)
     dtype = getattr(torch, a.dtype) if a.dtype else None
     return lambda: SpecDecoder.from_pretrained(
         target=a.target, drafts=a.drafts, drafter=a.drafter, draft_len=draft_len, dtype=dtype,
         device=a.device, min_conf=a.min_conf, draft_vocab=a.draft_vocab, tree_topk=tree[0],
         tree_depth=tree[1], draft_tokens=tree[2], adaptive=a.adaptive, weights=a.weights,
-        kv_cache=a.kv_cache, **kw)
+        kv_cache=a.kv_cache, tensor_parallel=tp, **kw)
 
 
 def generate(a) -> int:
@@ -255,7 +275,12 @@ def serve(a) -> int:
     name = a.served_model_name or a.target
     print(f"specfork: serving '{name}' on http://{a.host}:{a.port}/v1", file=sys.stderr,
           flush=True)
+    if a.tensor_parallel > 1:        # a rank that dies between requests stops the server
+        dec.model.on_rank_exit = lambda: os.kill(os.getpid(), signal.SIGTERM)
     run_server(dec, name, a.host, a.port, a.max_waiting)
+    if getattr(dec.model, "failed", None):
+        from specfork.parallel import RankFailed
+        raise RankFailed(dec.model.failed)
     return 0
 
 

@@ -77,12 +77,13 @@ class SpecDecoder:
                         tree_topk: int | None = None, tree_depth: int | None = None,
                         draft_tokens: int | None = None, adaptive: bool = True,
                         weights: str = "auto", kv_cache: str = "auto",
-                        **kw) -> "SpecDecoder":
+                        tensor_parallel: int = 1, **kw) -> "SpecDecoder":
         """`tree_topk`, `tree_depth`, `draft_tokens`: the EAGLE draft tree's shape (None: the
         tuned defaults). `adaptive` (on by default here): see `SpecDecoder`. `weights`: the
         target's weight format (`specfork/weights.py`: auto, float32, bfloat16, int8, int4).
         `kv_cache`: the target's KV format (`specfork/kv_quant.py`: auto, float32, bfloat16,
-        float16, turbo4, turbo3.5, turbo3, turbo2.5)."""
+        float16, turbo4, turbo3.5, turbo3, turbo2.5). `tensor_parallel`: shard the target over
+        that many ranks (`specfork/parallel.py`; drafters stay on this process, rank 0)."""
         from specfork.drafters import eagle
         from specfork.drafters.registry import make_drafters
         from specfork.loader import check_device, load_hf
@@ -91,8 +92,13 @@ class SpecDecoder:
         check_device(device)                               # all before any weights load
         check_weights(weights, device)
         parse_kv_format(kv_cache)
-        hf, tok = load_hf(target, dtype=dtype, device=device)
-        model = Model(hf, weights=weights, kv_cache=kv_cache)
+        if tensor_parallel != 1:
+            from specfork import parallel
+            model, tok = parallel.start(tensor_parallel, dict(
+                target=target, dtype=dtype, device=device, weights=weights, kv_cache=kv_cache))
+        else:
+            hf, tok = load_hf(target, dtype=dtype, device=device)
+            model = Model(hf, weights=weights, kv_cache=kv_cache)
         model.calibrate_kv(calibration_ids(tok))
         drafters = (make_drafters(drafter, target, model, drafts, min_conf, draft_vocab,
                                   draft_len=draft_len, tree=tree,

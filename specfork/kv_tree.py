@@ -62,6 +62,9 @@ class BlockPool:
         self.refcount = [0] * num_blocks
         self.free = list(range(num_blocks - 1, -1, -1))  # stack: low ids first
         self.peak_blocks = 0
+        # tensor parallelism: called as mirror(method name, *args) before a method that moves
+        # K/V data runs, so every rank's pool applies it too (specfork/parallel.py)
+        self.mirror = None
 
     # -- allocation ---------------------------------------------------------------------------
     def alloc(self, n: int) -> list[int]:
@@ -89,8 +92,19 @@ class BlockPool:
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block in every layer (the only data copy the tree ever makes)."""
+        if self.mirror is not None:
+            self.mirror("copy_block", src, dst)
         self.k[:, dst].copy_(self.k[:, src])
         self.v[:, dst].copy_(self.v[:, src])
+
+    def copy_slots(self, frm: torch.Tensor, to: torch.Tensor) -> None:
+        """Slots `frm` to slots `to` in every layer, stored rows as they are (codes stay
+        codes): the naive baselines' full copy of a cache, never the tree's own."""
+        if self.mirror is not None:
+            self.mirror("copy_slots", frm, to)
+        for t in (self.k, self.v):
+            flat = t.view((self.num_layers, -1) + tuple(t.shape[3:]))
+            flat[:, to] = flat[:, frm]
 
     # -- views and accounting -----------------------------------------------------------------
     def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -84,10 +84,7 @@ def copy_branch(kv: KVTree, src: Branch) -> Branch:
     except Exception:
         kv.release(dst)
         raise
-    frm = kv.slots(src).to(pool.k.device)
-    for t in (pool.k, pool.v):                  # stored rows as they are (codes stay codes)
-        flat = t.view((pool.num_layers, -1) + tuple(t.shape[3:]))
-        flat[:, to] = flat[:, frm]
+    pool.copy_slots(kv.slots(src).to(pool.k.device), to)
     return dst
 
 

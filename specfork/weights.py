@@ -35,7 +35,10 @@ class QuantLinear:
     """y = x @ w.T + b with `w` held in a low-bit format; x and y in the caller's dtype."""
     __slots__ = ("fmt", "w", "s", "b", "packed", "out_features")
 
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, fmt: str):
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, fmt: str,
+                 absmax: torch.Tensor | None = None):
+        """`absmax` (int8): per output channel, the whole row's when `w` holds some of its
+        columns (a tensor-parallel shard), so every rank quantizes on the one model's grid."""
         if w.device.type != "cpu":
             raise SpecforkError(f"--weights {fmt}: only on a CPU for now (use --dtype on GPU)")
         self.fmt, self.b, self.out_features = fmt, b, w.shape[0]
@@ -46,7 +49,7 @@ class QuantLinear:
             if torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.w, 8)
         elif fmt == "int8":
-            self.w, self.s = quantize_int8(w)
+            self.w, self.s = quantize_int8(w, absmax)
         elif fmt == "int4":
             if w.shape[1] % GROUP or w.shape[0] % 16:
                 raise SpecforkError(f"--weights int4: a {w.shape[0]}x{w.shape[1]} matrix does "
@@ -84,9 +87,10 @@ class QuantLinear:
     packed_bytes = 0              # no second copy beside the format's own
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(w: torch.Tensor, absmax: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """`w [N, K]` -> (q int8 `[N, K]`, s bf16 `[N]`), w ~ q * s per output channel."""
-    s = (w.abs().amax(dim=1) / 127).clamp_min(1e-12).bfloat16()
+    s = ((w.abs().amax(dim=1) if absmax is None else absmax.float()) / 127).clamp_min(1e-12).bfloat16()
     q = torch.round(w / s.float()[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, s
 

@@ -1,0 +1,476 @@
+"""Tensor parallelism over torch.distributed, sharded as Megatron-LM, vLLM and SGLang shard a
+Llama: q|k|v and gate|up split by output rows (column parallel: each rank computes its own
+heads and MLP columns, no communication), o and down split by input columns (row parallel:
+partial sums, one all-reduce each), the vocabulary head split by rows (one all-gather of the
+logits). Every rank holds 1/N of the KV heads (with their query heads), of the weights and
+a block pool of its own KV heads (as evenly as they split: 3 KV heads over 2 ranks are 1 and
+2). The token embedding is replicated: the residual stream is whole on every
+rank after each all-reduce.
+
+Control stays on rank 0, the driver: the engine, scheduler, drafters and the KV-tree metadata
+(forks, copy-on-write, release) run there, once. Each forward it broadcasts what the forward
+needs (tokens, positions, the step's AttnMeta) and every pool operation that moves data (a
+CoW block copy); the other ranks apply them to their own pools, so a fork stays O(1) on every
+rank and no rank decides anything by itself (adaptive drafting decides from timings, which
+differ per rank: deciding on every rank would diverge, then hang).
+
+Ranks come from `torchrun --nproc-per-node N` (RANK/WORLD_SIZE in the environment: ranks > 0
+serve the driver from `from_pretrained` and exit when it stops) or are spawned here (gloo on
+127.0.0.1). gloo moves the activations on CPU, NCCL on GPU; commands always go over gloo.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import weakref
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from specfork.errors import SpecforkError
+
+# A rank waits this long for one collective of a forward (a live peer answers in microseconds;
+# a dead one closes its socket, which ends the wait at once) ...
+STEP_TIMEOUT = timedelta(minutes=10)
+# ... and this long for the driver's next command: a server may idle for days.
+IDLE_TIMEOUT = timedelta(days=365)
+
+
+class RankFailed(RuntimeError):
+    """A rank died or its connection broke: the model is gone on every rank."""
+
+
+def check_shardable(cfg, world: int) -> None:
+    """One line for a model that does not split over `world` ranks: each rank needs a KV head
+    of its own (we do not replicate KV heads as vLLM does past their count: that stores each
+    on several ranks, and KV memory per rank is what tensor parallelism is for here)."""
+    if world < 1:
+        raise SpecforkError(f"--tensor-parallel must be >= 1, got {world}")
+    kvh = cfg.num_key_value_heads
+    if kvh < world:
+        raise SpecforkError(f"--tensor-parallel {world}: the target has {kvh} KV heads, fewer "
+                            f"than ranks (use at most {kvh})")
+
+
+def share(n: int, rank: int, world: int) -> tuple[int, int]:
+    """[start, end) of rank's share of n units (KV heads, MLP columns): as even as it gets,
+    contiguous (3 KV heads over 2 ranks: 1 and 2)."""
+    return rank * n // world, (rank + 1) * n // world
+
+
+def shard_hf(hf, rank: int, world: int) -> None:
+    """Cut a transformers Llama down to rank `rank`'s share in place: the rows of q, k, v of
+    its KV heads (and their query heads), the matching columns of o, its rows of gate and up,
+    its columns of down (each a copy of its own, so the whole matrices are freed). The config
+    then describes this rank's model, which is what `Model` builds from. The head stays whole
+    here (`wrap` splits it)."""
+    cfg = hf.config
+    check_shardable(cfg, world)
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    G = cfg.num_attention_heads // cfg.num_key_value_heads          # query heads per KV head
+    h0, h1 = share(cfg.num_key_value_heads, rank, world)
+    i0, i1 = share(cfg.intermediate_size, rank, world)
+
+    def rows(lin, a, b):
+        lin.weight.data = lin.weight.data[a:b].clone()
+        if lin.bias is not None:
+            lin.bias.data = lin.bias.data[a:b].clone()
+
+    def cols(lin, a, b):
+        lin.tp_absmax = lin.weight.data.abs().amax(dim=1)     # int8 scales of whole rows
+        lin.weight.data = lin.weight.data[:, a:b].clone()
+        if lin.bias is not None and rank:             # the bias is added once, on rank 0
+            lin.bias = None
+
+    for blk in hf.model.layers:
+        a, m = blk.self_attn, blk.mlp
+        rows(a.q_proj, h0 * G * D, h1 * G * D)
+        rows(a.k_proj, h0 * D, h1 * D)
+        rows(a.v_proj, h0 * D, h1 * D)
+        cols(a.o_proj, h0 * G * D, h1 * G * D)
+        rows(m.gate_proj, i0, i1)
+        rows(m.up_proj, i0, i1)
+        cols(m.down_proj, i0, i1)
+    cfg.head_dim = D
+    cfg.num_attention_heads, cfg.num_key_value_heads = (h1 - h0) * G, h1 - h0
+    cfg.intermediate_size = i1 - i0
+
+
+class RowParallel:
+    """o or down over this rank's input columns: a partial product, summed over ranks."""
+
+    def __init__(self, lin, group):
+        self.lin, self.group = lin, group
+
+    def __call__(self, a: torch.Tensor, bulk: bool = False) -> torch.Tensor:
+        y = self.lin(a, bulk)
+        dist.all_reduce(y, group=self.group)
+        return y
+
+    def add_to(self, x: torch.Tensor, a: torch.Tensor, bulk: bool = False) -> torch.Tensor:
+        return x + self(a, bulk)
+
+    def __getattr__(self, name):                      # packed_bytes, nbytes, w, ...
+        return getattr(self.lin, name)
+
+
+class VocabParallelHead:
+    """lm_head over this rank's vocabulary rows; the logits are gathered whole on every rank
+    (ceil(V / N) rows per rank, the last rank's padded)."""
+
+    def __init__(self, lin, vocab: int, world: int, group):
+        self.lin, self.vocab, self.world, self.group = lin, vocab, world, group
+        self.rows = -(-vocab // world)
+
+    def __call__(self, x: torch.Tensor, bulk: bool = False) -> torch.Tensor:
+        y = self.lin(x, bulk)                                     # [T, rows of this rank]
+        if y.shape[1] < self.rows:
+            y = F.pad(y, (0, self.rows - y.shape[1]))
+        parts = [torch.empty_like(y) for _ in range(self.world)]
+        dist.all_gather(parts, y.contiguous(), group=self.group)
+        return torch.cat(parts, 1)[:, :self.vocab]
+
+    def __getattr__(self, name):
+        return getattr(self.lin, name)
+
+
+def wrap(model, rank: int, world: int, group) -> None:
+    """Make a `Model` built from a `shard_hf` model one rank of the whole: o and down sum over
+    ranks, the head keeps this rank's vocabulary rows (in the model's weight format)."""
+    from specfork.model import Linear
+    from specfork.weights import HEAD_FORMAT, QuantLinear
+    for ly, blk in zip(model.layers, model.hf.model.layers):
+        if model.weights == "int8":           # on the whole rows' grid, as at N = 1
+            ly.o, ly.down = (QuantLinear(m.weight, m.bias, "int8", m.tp_absmax)
+                             for m in (blk.self_attn.o_proj, blk.mlp.down_proj))
+        ly.o, ly.down = RowParallel(ly.o, group), RowParallel(ly.down, group)
+    full = model.hf.lm_head.weight
+    n = -(-model.vocab_size // world)
+    w = full.data[rank * n:(rank + 1) * n]                         # a view: no copy
+    bias = model.hf.lm_head.bias
+    b = None if bias is None else bias.data[rank * n:(rank + 1) * n]
+    if model.weights != "float32":
+        head = QuantLinear(w, b, HEAD_FORMAT[model.weights])
+    else:
+        head = Linear(w, b, pack=model.pack, min_rows=model.packed_min_rows)
+        head.exact = model.rows_exact
+    model.lm_head = VocabParallelHead(head, model.vocab_size, world, group)
+    if rank and full is not model.hf.model.embed_tokens.weight:   # untied: keep only our rows
+        full.data = w.clone()
+
+
+def _threads(world: int) -> None:
+    """Each rank on its share of this machine's cores (one process per rank on a host)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // world))
+
+
+def _groups(device: str):
+    """(compute group, command group) after init: NCCL carries activations between GPUs."""
+    if str(device).startswith("cuda"):
+        return (dist.new_group(backend="nccl", timeout=STEP_TIMEOUT),
+                dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
+    return dist.group.WORLD, dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+
+def _local_device(device: str | None, rank: int) -> str:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return f"cuda:{rank}" if device.startswith("cuda") else "cpu"
+
+
+def load_rank(spec: dict, rank: int, world: int, group):
+    """(this rank's Model, tokenizer) for `spec` (target, dtype, device, weights, kv_cache)."""
+    from specfork.loader import load_hf
+    from specfork.model import Model
+    hf, tok = load_hf(spec["target"], dtype=spec["dtype"],
+                      device=_local_device(spec["device"], rank))
+    shard_hf(hf, rank, world)
+    model = Model(hf, weights=spec["weights"], kv_cache=spec["kv_cache"])
+    wrap(model, rank, world, group)
+    return model, tok
+
+
+def rank_bytes(model, pool) -> dict:
+    """What one rank holds, measured from its tensors: weights (each storage once, packed and
+    low-bit copies included) and the K/V of `pool`."""
+    seen, w = set(), 0
+    for t in model.hf.parameters():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            w += t.nbytes
+    for lin in model.linears():
+        w += lin.packed_bytes + (lin.nbytes if hasattr(lin, "fmt") else 0)
+    return {"weights": w, "kv": pool.k.nbytes + pool.v.nbytes}
+
+
+def _to(obj, dev):
+    """Tensors inside a command moved to this rank's device (NCCL ranks each own one GPU)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dev)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to(x, dev) for x in obj)
+    if hasattr(obj, "__dict__"):
+        for k, v in vars(obj).items():
+            setattr(obj, k, _to(v, dev))
+    return obj
+
+
+def serve_driver(model, ctl, rank: int) -> None:
+    """A rank > 0: apply the driver's commands to this rank's model and pools until it stops."""
+    pools = {}
+    dev = model.device
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=ctl)
+        dropped, op, args = box[0]
+        for pid in dropped:
+            pools.pop(pid, None)
+        if op == "stop":
+            return
+        if op == "forward":
+            tokens, positions, pid, meta, idx, capture = _to(args, dev) if dev.type != "cpu" \
+                else args
+            model.forward(tokens, positions, pools[pid], meta, logits_idx=idx, capture=capture)
+        elif op == "pool":
+            pid, num_blocks, block_size = args
+            pools[pid] = model.make_pool(num_blocks=num_blocks, block_size=block_size)
+        elif op == "pool_op":
+            pid, name, a = args
+            getattr(pools[pid], name)(*_to(a, dev))
+        elif op == "bytes":
+            dist.gather_object(rank_bytes(model, pools[args]), None, dst=0, group=ctl)
+        elif op == "calibrate":
+            model.calibrate_kv(args)
+        else:
+            raise RuntimeError(f"rank {rank}: unknown command {op!r}")
+
+
+class Driver:
+    """Rank 0's model: the sharded `Model` of rank 0, whose forward, pools and KV calibration
+    run on every rank in step. Everything else reads through to the local model."""
+
+    def __init__(self, model, world: int, ctl, procs: list | None = None):
+        self._model, self.world, self._ctl = model, world, ctl
+        self._procs = procs or []              # spawned ranks, Popen (none under torchrun)
+        self._ids = itertools.count()
+        self._dropped: list[int] = []          # pools collected since the last command
+        self._head = None
+        self.failed: str | None = None
+        self.on_rank_exit = None               # serve: stop when a rank dies while idle
+        self._closing = False
+        if self._procs:
+            threading.Thread(target=self._watch, daemon=True, name="specfork-tp-watch").start()
+        atexit.register(self.close)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    @property
+    def lm_head(self):
+        """The whole head, for drafters that borrow it (EAGLE-1): drafters run on rank 0 only,
+        so it must not be the gathered one (made on first use; a view when tied)."""
+        if self._head is None:
+            from specfork.model import Linear
+            hf = self._model.hf.lm_head
+            self._head = Linear(hf.weight, hf.bias)
+        return self._head
+
+    # -- commands ------------------------------------------------------------------------
+    def _send(self, op: str, args=None) -> None:
+        if self.failed:
+            raise RankFailed(self.failed)
+        dropped, self._dropped = self._dropped, []
+        self._guard(lambda: dist.broadcast_object_list([(dropped, op, args)], src=0,
+                                                       group=self._ctl))
+
+    def _guard(self, fn):
+        """fn(), with a broken peer turned into one clear error on every later call too."""
+        try:
+            return fn()
+        except RuntimeError as e:
+            if isinstance(e, RankFailed) or not dist.is_initialized():
+                raise
+            dead = [f"rank {i + 1} exited with code {p.poll()}"
+                    for i, p in enumerate(self._procs) if p.poll() is not None]
+            why = "; ".join(dead) or str(e).strip().splitlines()[0]
+            self.failed = f"tensor parallelism stopped: {why}"
+            self._kill()
+            raise RankFailed(self.failed) from None
+
+    def forward(self, tokens, positions, pool, meta, logits_idx=None, head=None, capture=None):
+        if head is not None:
+            raise SpecforkError("a vocabulary-subset head is a draft model's: the "
+                                "tensor-parallel target has none")
+        self._send("forward", (tokens, positions, pool.tp_id, meta, logits_idx, capture))
+        return self._guard(lambda: self._model.forward(tokens, positions, pool, meta,
+                                                       logits_idx=logits_idx, capture=capture))
+
+    def make_pool(self, num_blocks=None, max_bytes=None, block_size=None):
+        """A pool of this rank's KV heads, mirrored on every rank (same block ids)."""
+        pool = self._model.make_pool(num_blocks=num_blocks, max_bytes=max_bytes,
+                                     block_size=block_size)
+        pool.tp_id = next(self._ids)
+        self._send("pool", (pool.tp_id, pool.num_blocks, pool.block_size))
+        pid = pool.tp_id
+        pool.mirror = lambda name, *a: self._send("pool_op", (pid, name, a))
+        weakref.finalize(pool, self._dropped.append, pid)
+        return pool
+
+    def rank_bytes(self, pool) -> list[dict]:
+        """Per rank, the bytes of its weights and of its copy of `pool` (`rank_bytes`)."""
+        self._send("bytes", pool.tp_id)
+        out = [None] * self.world
+        self._guard(lambda: dist.gather_object(rank_bytes(self._model, pool), out, dst=0,
+                                               group=self._ctl))
+        return out
+
+    def calibrate_kv(self, ids: list[int]) -> None:
+        if not self._model.kv_codecs or not self._model.kv_codecs[0][0].rotated:
+            return
+        self._send("calibrate", ids)
+        self._guard(lambda: self._model.calibrate_kv(ids))
+
+    # -- lifetime -------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """A spawned rank that dies while rank 0 waits for work (a server between requests)
+        would only be noticed at the next request: tell, and stop."""
+        done = threading.Event()
+        first = []
+
+        def wait(r, p):
+            p.wait()
+            first.append(r)
+            done.set()
+
+        for r, p in enumerate(self._procs, 1):
+            threading.Thread(target=wait, args=(r, p), daemon=True).start()
+        done.wait()
+        if self._closing:
+            return
+        r = first[0]
+        self.failed = (f"tensor parallelism stopped: rank {r} exited with code "
+                       f"{self._procs[r - 1].poll()}")
+        if self.on_rank_exit is not None:
+            self.on_rank_exit()
+
+    def _kill(self) -> None:
+        self._closing = True
+        for p in self._procs:
+            if p.poll() is None:
+                p.kill()
+
+    def close(self) -> None:
+        """Stop every rank (idempotent)."""
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            if not self.failed and dist.is_initialized():
+                self._send("stop")
+        except RuntimeError:
+            pass
+        for p in self._procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, addr: str, spec: dict) -> None:
+    """A spawned rank: `python -m specfork.parallel` (a fresh interpreter, so nothing of the
+    caller's main module is imported again, as multiprocessing's spawn would)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)        # Ctrl-C is rank 0's to handle
+    _threads(world)
+    try:
+        dist.init_process_group("gloo", init_method=addr, rank=rank, world_size=world,
+                                timeout=STEP_TIMEOUT)
+        group, ctl = _groups(spec["device"])
+        model, _ = load_rank(spec, rank, world, group)
+        serve_driver(model, ctl, rank)
+    except Exception as e:                             # rank 0 went away, or loading failed
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"specfork: tensor-parallel rank {rank}: {msg}", file=sys.stderr, flush=True)
+        os._exit(1)
+    dist.destroy_process_group()
+
+
+def start(world: int, spec: dict):
+    """(Driver, tokenizer) over `world` ranks for `spec` (target, dtype, device, weights,
+    kv_cache). Under torchrun (WORLD_SIZE set) this process is one rank: rank 0 gets the
+    Driver, any other rank serves rank 0 here and exits when it stops. Otherwise ranks
+    1..world-1 are spawned on this machine."""
+    from transformers import AutoConfig
+
+    from specfork.loader import resolve
+    check_shardable(AutoConfig.from_pretrained(resolve(spec["target"]), local_files_only=True),
+                    world)                                       # before any process starts
+    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    procs = []
+    if env_world > 1:
+        if env_world != world:
+            raise SpecforkError(f"--tensor-parallel {world} under torchrun with {env_world} "
+                                "processes: they must match")
+        rank = int(os.environ["RANK"])
+        _threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=STEP_TIMEOUT)
+    else:
+        rank = 0
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        addr = f"tcp://127.0.0.1:{_free_port()}"
+        arg = json.dumps({**spec, "dtype": None if spec["dtype"] is None
+                          else str(spec["dtype"]).removeprefix("torch.")})
+        procs = [subprocess.Popen([sys.executable, "-m", "specfork.parallel", str(r),
+                                   str(world), addr, arg], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL) for r in range(1, world)]
+        _threads(world)
+        try:
+            dist.init_process_group("gloo", init_method=addr, rank=0, world_size=world,
+                                    timeout=STEP_TIMEOUT)
+        except BaseException:
+            for p in procs:
+                p.kill()
+            raise
+    try:
+        group, ctl = _groups(spec["device"])
+        model, tok = load_rank(spec, rank, world, group)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        dist.destroy_process_group()
+        raise
+    if rank:
+        serve_driver(model, ctl, rank)
+        dist.destroy_process_group()
+        sys.exit(0)
+    return Driver(model, world, ctl, procs), tok
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description="one spawned tensor-parallel rank (internal)")
+    p.add_argument("rank", type=int)
+    p.add_argument("world", type=int)
+    p.add_argument("addr")
+    p.add_argument("spec")
+    a = p.parse_args()
+    spec = json.loads(a.spec)
+    spec["dtype"] = None if spec["dtype"] is None else getattr(torch, spec["dtype"])
+    _worker(a.rank, a.world, a.addr, spec)
