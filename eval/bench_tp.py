@@ -24,11 +24,13 @@ from prompts import load_prompts  # noqa: E402
 from provenance import command, machine, write_results  # noqa: E402
 
 
-def run(target: str, n: int, prompts: list[str], max_new: int, threads: int | None) -> dict:
+def run(target: str, n: int, prompts: list[str], max_new: int, threads: int | None,
+        transport: str) -> dict:
     from specfork.decoder import SpecDecoder
     from specfork.parallel import rank_bytes
     if threads:
         torch.set_num_threads(threads)
+    os.environ["SPECFORK_TP_SHM"] = "1" if transport == "shm" else "0"
     dec = SpecDecoder.from_pretrained(target, tensor_parallel=n, max_kv_tokens=4096)
     try:
         dec.generate(prompts[0], max_new_tokens=8)                      # warm-up
@@ -41,7 +43,8 @@ def run(target: str, n: int, prompts: list[str], max_new: int, threads: int | No
             toks += r.stats["new_tokens"]
             ids.append(r.token_ids)
         mem = (dec.model.rank_bytes(dec.pool) if n > 1 else [rank_bytes(dec.model, dec.pool)])
-        return {"ranks": n, "threads_per_rank": torch.get_num_threads(), "tokens": toks,
+        return {"ranks": n, "transport": transport if n > 1 else "-",
+                "threads_per_rank": torch.get_num_threads(), "tokens": toks,
                 "seconds": secs, "tokens_per_s": toks / secs, "ms_per_forward":
                 1e3 * secs / steps, "bytes_per_rank": mem, "token_ids": ids}
     finally:
@@ -55,14 +58,17 @@ def main(argv=None) -> None:
     p.add_argument("--ranks", default="1,2,3")
     p.add_argument("--prompts", type=int, default=4, help="MT-bench prompts, spread")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--transports", default="shm,gloo",
+                   help="how the ranks' collectives travel: shm (shared memory), gloo")
     p.add_argument("--out", default="results/tp_cpu")
     a = p.parse_args(argv)
     prompts = [q["text"] for q in load_prompts("mtbench", a.prompts, spread=True)]
     rows = []
     for n in (int(x) for x in a.ranks.split(",")):
         # N = 1 on every core and on one (what each rank of N = 2 gets here)
-        for threads in ((None, 1) if n == 1 else (None,)):
-            rows.append(run(a.target, n, prompts, a.max_new_tokens, threads))
+        for threads, tr in ([(None, "-"), (1, "-")] if n == 1 else
+                           [(None, t) for t in a.transports.split(",")]):
+            rows.append(run(a.target, n, prompts, a.max_new_tokens, threads, tr))
             rows[-1]["same_tokens_as_first"] = rows[-1]["token_ids"] == rows[0]["token_ids"]
             print({k: v for k, v in rows[-1].items() if k != "token_ids"}, flush=True)
     res = {"command": command("bench_tp", argv), "machine": machine(), "target": a.target,
@@ -77,11 +83,11 @@ def markdown(res: dict) -> str:
            f"{res['target']}, greedy, {res['prompts']} MT-bench prompts x "
            f"{res['max_new_tokens']} tokens. Ranks share these cores: this shows the cost of "
            "the collectives and memory per rank, not a speedup.\n",
-           "| ranks | threads/rank | tok/s | ms per forward | weights MiB (rank 0) | "
-           "KV MiB per rank | same tokens as N=1 |", "|---|---|---|---|---|---|---|"]
+           "| ranks | collectives | threads/rank | tok/s | ms per forward | weights MiB (rank 0) "
+           "| KV MiB per rank | same tokens as N=1 |", "|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         b = r["bytes_per_rank"]
-        out.append(f"| {r['ranks']} | {r['threads_per_rank']} | {r['tokens_per_s']:.1f} | "
+        out.append(f"| {r['ranks']} | {r['transport']} | {r['threads_per_rank']} | {r['tokens_per_s']:.1f} | "
                    f"{r['ms_per_forward']:.1f} | {b[0]['weights'] / 2**20:.0f} | "
                    + ", ".join(f"{x['kv'] / 2**20:.0f}" for x in b)
                    + f" | {'yes' if r['same_tokens_as_first'] else 'no'} |")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -79,6 +80,12 @@ def _args(argv):
     v.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     _kv_arg(v)
     _tp_arg(v)
+    v.add_argument("--replicas", type=int, default=1, metavar="R",
+                   help="R engines behind this endpoint on Ray Serve (pip install "
+                        "'specfork[replicas]'); requests are spread over them")
+    v.add_argument("--ray-address", default=None,
+                   help="with --replicas: join this Ray cluster (from `ray start --head`) "
+                        "instead of starting a local one")
     return p.parse_args(argv)
 
 
@@ -195,8 +202,8 @@ def _checked_loader(a, drafting: dict, **kw):
     parse_kv_format(a.kv_cache)
     tp = _tensor_parallel(a)
     dtype = getattr(torch, a.dtype) if a.dtype else None
-    return lambda: SpecDecoder.from_pretrained(
-        target=a.target, drafts=a.drafts, drafter=a.drafter, draft_len=draft_len, dtype=dtype,
+    return functools.partial(                    # picklable: Ray replicas load with it too
+        SpecDecoder.from_pretrained, target=a.target, drafts=a.drafts, drafter=a.drafter, draft_len=draft_len, dtype=dtype,
         device=a.device, min_conf=a.min_conf, draft_vocab=a.draft_vocab, tree_topk=tree[0],
         tree_depth=tree[1], draft_tokens=tree[2], adaptive=a.adaptive, weights=a.weights,
         kv_cache=a.kv_cache, tensor_parallel=tp, **kw)
@@ -268,11 +275,26 @@ def serve(a) -> int:
                    max_kv_tokens=a.max_kv_tokens, max_waiting=a.max_waiting)
     if not 0 < a.port < 65536:
         raise SpecforkError(f"--port must be in 1..65535, got {a.port}")
-    dec = _checked_loader(a, _drafting_flags(a), max_kv_tokens=a.max_kv_tokens)()
-    dec.serving(max_batch=a.max_batch, prefill_tokens=a.prefill_tokens,
-                prefix_cache=a.prefix_cache)
-    from specfork.server import serve as run_server
+    if a.replicas < 1:
+        raise SpecforkError(f"--replicas must be >= 1, got {a.replicas}")
+    if a.ray_address and a.replicas == 1:
+        raise SpecforkError("--ray-address applies only with --replicas R (R >= 2)")
+    if a.replicas > 1 and a.tensor_parallel > 1:
+        raise SpecforkError("--replicas with --tensor-parallel is not supported yet: use one")
+    load = _checked_loader(a, _drafting_flags(a), max_kv_tokens=a.max_kv_tokens)
+    serving = {"max_batch": a.max_batch, "prefill_tokens": a.prefill_tokens,
+               "prefix_cache": a.prefix_cache}
     name = a.served_model_name or a.target
+    if a.replicas > 1:
+        if importlib.util.find_spec("ray") is None:
+            raise SpecforkError("--replicas needs Ray Serve: pip install 'specfork[replicas]'")
+        from specfork.replicas import serve_replicas
+        serve_replicas(load, serving, name, a.host, a.port, a.max_waiting, a.replicas,
+                       a.ray_address)
+        return 0
+    dec = load()
+    dec.serving(**serving)
+    from specfork.server import serve as run_server
     print(f"specfork: serving '{name}' on http://{a.host}:{a.port}/v1", file=sys.stderr,
           flush=True)
     if a.tensor_parallel > 1:        # a rank that dies between requests stops the server

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from specfork.errors import SpecforkError
+from specfork.shm_comm import GroupComm, ShmComm
 
 # A rank waits this long for one collective of a forward (a live peer answers in microseconds;
 # a dead one closes its socket, which ends the wait at once) ...
@@ -109,13 +110,11 @@ def shard_hf(hf, rank: int, world: int) -> None:
 class RowParallel:
     """o or down over this rank's input columns: a partial product, summed over ranks."""
 
-    def __init__(self, lin, group):
-        self.lin, self.group = lin, group
+    def __init__(self, lin, comm):
+        self.lin, self.comm = lin, comm
 
     def __call__(self, a: torch.Tensor, bulk: bool = False) -> torch.Tensor:
-        y = self.lin(a, bulk)
-        dist.all_reduce(y, group=self.group)
-        return y
+        return self.comm.all_reduce_(self.lin(a, bulk))
 
     def add_to(self, x: torch.Tensor, a: torch.Tensor, bulk: bool = False) -> torch.Tensor:
         return x + self(a, bulk)
@@ -125,26 +124,26 @@ class RowParallel:
 
 
 class VocabParallelHead:
-    """lm_head over this rank's vocabulary rows; the logits are gathered whole on every rank
-    (ceil(V / N) rows per rank, the last rank's padded)."""
+    """lm_head over this rank's vocabulary rows; the logits are gathered whole on rank 0
+    (ceil(V / N) rows per rank, the last rank's padded). Other ranks get their own rows only:
+    nothing reads them."""
 
-    def __init__(self, lin, vocab: int, world: int, group):
-        self.lin, self.vocab, self.world, self.group = lin, vocab, world, group
+    def __init__(self, lin, vocab: int, world: int, comm):
+        self.lin, self.vocab, self.world, self.comm = lin, vocab, world, comm
         self.rows = -(-vocab // world)
 
     def __call__(self, x: torch.Tensor, bulk: bool = False) -> torch.Tensor:
         y = self.lin(x, bulk)                                     # [T, rows of this rank]
         if y.shape[1] < self.rows:
             y = F.pad(y, (0, self.rows - y.shape[1]))
-        parts = [torch.empty_like(y) for _ in range(self.world)]
-        dist.all_gather(parts, y.contiguous(), group=self.group)
-        return torch.cat(parts, 1)[:, :self.vocab]
+        parts = self.comm.gather(y)
+        return y if parts is None else torch.cat(parts, 1)[:, :self.vocab]
 
     def __getattr__(self, name):
         return getattr(self.lin, name)
 
 
-def wrap(model, rank: int, world: int, group) -> None:
+def wrap(model, rank: int, world: int, comm) -> None:
     """Make a `Model` built from a `shard_hf` model one rank of the whole: o and down sum over
     ranks, the head keeps this rank's vocabulary rows (in the model's weight format)."""
     from specfork.model import Linear
@@ -153,7 +152,7 @@ def wrap(model, rank: int, world: int, group) -> None:
         if model.weights == "int8":           # on the whole rows' grid, as at N = 1
             ly.o, ly.down = (QuantLinear(m.weight, m.bias, "int8", m.tp_absmax)
                              for m in (blk.self_attn.o_proj, blk.mlp.down_proj))
-        ly.o, ly.down = RowParallel(ly.o, group), RowParallel(ly.down, group)
+        ly.o, ly.down = RowParallel(ly.o, comm), RowParallel(ly.down, comm)
     full = model.hf.lm_head.weight
     n = -(-model.vocab_size // world)
     w = full.data[rank * n:(rank + 1) * n]                         # a view: no copy
@@ -164,7 +163,7 @@ def wrap(model, rank: int, world: int, group) -> None:
     else:
         head = Linear(w, b, pack=model.pack, min_rows=model.packed_min_rows)
         head.exact = model.rows_exact
-    model.lm_head = VocabParallelHead(head, model.vocab_size, world, group)
+    model.lm_head = VocabParallelHead(head, model.vocab_size, world, comm)
     if rank and full is not model.hf.model.embed_tokens.weight:   # untied: keep only our rows
         full.data = w.clone()
 
@@ -175,20 +174,26 @@ def _threads(world: int) -> None:
     torch.set_num_threads(max(1, (cores or 1) // world))
 
 
-def _groups(device: str):
-    """(compute group, command group) after init: NCCL carries activations between GPUs."""
+def _groups(device: str, rank: int, world: int, one_host: bool):
+    """(comm, command group) after init: the forward's collectives go through shared memory
+    between CPU ranks of one host (`specfork/shm_comm.py`; SPECFORK_TP_SHM=0: over gloo), over
+    NCCL between GPUs, else over gloo; commands always over gloo."""
+    ctl = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     if str(device).startswith("cuda"):
-        return (dist.new_group(backend="nccl", timeout=STEP_TIMEOUT),
-                dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
-    return dist.group.WORLD, dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        return GroupComm(dist.new_group(backend="nccl", timeout=STEP_TIMEOUT)), ctl
+    if one_host and os.environ.get("SPECFORK_TP_SHM", "1") != "0":
+        return ShmComm(rank, world, ctl, fallback=dist.group.WORLD), ctl
+    return GroupComm(dist.group.WORLD), ctl
 
 
 def _local_device(device: str | None, rank: int) -> str:
+    """This rank's device: its own GPU of its host (torchrun's LOCAL_RANK), else the CPU."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return f"cuda:{rank}" if device.startswith("cuda") else "cpu"
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    return f"cuda:{local}" if device.startswith("cuda") else "cpu"
 
 
-def load_rank(spec: dict, rank: int, world: int, group):
+def load_rank(spec: dict, rank: int, world: int, comm):
     """(this rank's Model, tokenizer) for `spec` (target, dtype, device, weights, kv_cache)."""
     from specfork.loader import load_hf
     from specfork.model import Model
@@ -196,7 +201,7 @@ def load_rank(spec: dict, rank: int, world: int, group):
                       device=_local_device(spec["device"], rank))
     shard_hf(hf, rank, world)
     model = Model(hf, weights=spec["weights"], kv_cache=spec["kv_cache"])
-    wrap(model, rank, world, group)
+    wrap(model, rank, world, comm)
     return model, tok
 
 
@@ -360,6 +365,7 @@ class Driver:
         r = first[0]
         self.failed = (f"tensor parallelism stopped: rank {r} exited with code "
                        f"{self._procs[r - 1].poll()}")
+        self._kill()                              # the others would wait on it forever
         if self.on_rank_exit is not None:
             self.on_rank_exit()
 
@@ -403,8 +409,8 @@ def _worker(rank: int, world: int, addr: str, spec: dict) -> None:
     try:
         dist.init_process_group("gloo", init_method=addr, rank=rank, world_size=world,
                                 timeout=STEP_TIMEOUT)
-        group, ctl = _groups(spec["device"])
-        model, _ = load_rank(spec, rank, world, group)
+        comm, ctl = _groups(spec["device"], rank, world, True)
+        model, _ = load_rank(spec, rank, world, comm)
         serve_driver(model, ctl, rank)
     except Exception as e:                             # rank 0 went away, or loading failed
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -450,8 +456,9 @@ def start(world: int, spec: dict):
                 p.kill()
             raise
     try:
-        group, ctl = _groups(spec["device"])
-        model, tok = load_rank(spec, rank, world, group)
+        comm, ctl = _groups(spec["device"], rank, world,
+                            int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world)
+        model, tok = load_rank(spec, rank, world, comm)
     except BaseException:
         for p in procs:
             p.kill()

@@ -98,15 +98,23 @@ def test_embedded_model_three_ranks():
                outputs("smollm2-135m", 3, prompts, 32, False), 3)
 
 
-def test_uneven_split_and_too_many_ranks(tiny_dir):
-    """4 KV heads over 3 ranks: 1, 1 and 2 heads, the same tokens; 5 ranks: refused."""
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_uneven_split_and_too_many_ranks(tiny_dir, monkeypatch, shm):
+    """4 KV heads over 3 ranks: 1, 1 and 2 heads, the same tokens, with the collectives in
+    shared memory or over gloo (a 700-token prompt's rows are past the shared-memory slots:
+    gloo either way); 5 ranks: refused."""
+    monkeypatch.setenv("SPECFORK_TP_SHM", shm)
     one = SpecDecoder.from_pretrained(tiny_dir, dtype=torch.float32, device="cpu")
     dec = SpecDecoder.from_pretrained(tiny_dir, tensor_parallel=3, dtype=torch.float32,
                                       device="cpu")
     try:
-        for p in (list(range(5, 40)), [7] * 20):
+        long = torch.randint(0, 96, (700,), generator=torch.Generator().manual_seed(1)).tolist()
+        for p in (list(range(5, 40)), [7] * 20, long):
             assert (dec.generate(p, max_new_tokens=30, raw=True).token_ids
                     == one.generate(p, max_new_tokens=30, raw=True).token_ids)
+        nll = dec.score(long[:300])["nll"]                    # every row's logits gathered
+        assert torch.allclose(torch.tensor(nll), torch.tensor(one.score(long[:300])["nll"]),
+                              atol=1e-4)
         full = one.pool.k.nbytes + one.pool.v.nbytes
         assert [r["kv"] for r in dec.model.rank_bytes(dec.pool)] == [full // 4, full // 4,
                                                                       full // 2]
@@ -184,3 +192,40 @@ def test_killing_rank_zero_stops_the_others(tiny_dir):
         p.kill()
         if not _gone(worker):
             os.kill(worker, signal.SIGKILL)
+
+
+def test_a_rank_dying_stops_an_idle_server(tiny_dir):
+    """Between requests rank 0 is in no collective: the watchdog notices, and the server
+    stops with one line and status 1."""
+    import urllib.request
+    port = _port()
+    env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    p = subprocess.Popen([sys.executable, "-m", "specfork.cli", "serve", "--target", tiny_dir,
+                          "--tensor-parallel", "2", "--port", str(port), "--max-kv-tokens",
+                          "1024"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert p.poll() is None and time.time() < deadline
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        with open(f"/proc/{p.pid}/task/{p.pid}/children") as f:
+            (worker,) = [int(x) for x in f.read().split()]
+        os.kill(worker, signal.SIGKILL)
+        assert p.wait(timeout=60) == 1
+        assert p.stderr.read().splitlines()[-1] == (
+            "specfork: error: RankFailed: tensor parallelism stopped: rank 1 exited with code "
+            "-9 (SPECFORK_DEBUG=1 shows the traceback)")
+    finally:
+        p.kill()
+
+
+def _port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
