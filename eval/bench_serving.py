@@ -15,18 +15,21 @@ Per run: output tokens/s (all output tokens over the run's wall time), TTFT (req
 its first streamed token) and TPOT (the rest of its tokens over the time they took), p50/p99.
 Server configurations (`--configs`): plain decoding, speculation (`--drafts 3`, the default
 drafter mix, adaptive), each with and without the prefix cache where the workload asks; and
-plain-r2: plain decoding on 2 Ray Serve replicas behind one endpoint (`--replicas 2`; closed
-and open loop only: each replica has its own prefix cache and /metrics). Each configuration
-is a fresh server process (its model load is not timed); this process only waits on sockets
-while it runs. Hugging Face runs after, alone: batches of `concurrency` prompts, left padded,
-`generate(do_sample=False)`; its TTFT is a 1-token `generate` of the same batch, its output
-tokens those before each row's EOS.
+plain-rR (plain-r2, ...): plain decoding on R Ray Serve replicas behind one endpoint (closed and
+open loop only: each replica has its own prefix cache and /metrics). On a cluster, from its
+head node: `ray start --head` there, `ray start --address HEAD:6379` on the others, then
+`python eval/bench_serving.py --configs plain,plain-r8 --ray-address HEAD:6379`. Each
+configuration is a fresh server process (its model load is not timed); this process only waits
+on sockets while it runs. Hugging Face runs after, alone: batches of `concurrency` prompts,
+left padded, `generate(do_sample=False)`; its TTFT is a 1-token `generate` of the same batch,
+its output tokens those before each row's EOS.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -37,10 +40,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import command as command_line, machine, write_results  # noqa: E402
+from specfork.errors import SpecforkError  # noqa: E402
 
 MODEL = "smollm2-135m"
-CONFIGS = {"plain": ["--drafts", "0"], "spec": ["--drafts", "3"],
-           "plain-r2": ["--drafts", "0", "--replicas", "2"]}
+CONFIGS = ("plain", "spec", "plain-rR")
+
+
+def config_flags(name: str, ray_address: str | None) -> list[str]:
+    """Server flags of a configuration; plain-rR (plain-r2, ...): plain decoding on R Ray Serve
+    replicas (a local Ray instance, or the cluster at `ray_address`)."""
+    m = re.fullmatch(r"plain-r(\d+)", name)
+    if m:
+        return ["--drafts", "0", "--replicas", m.group(1)] + (
+            ["--ray-address", ray_address] if ray_address else [])
+    if name not in ("plain", "spec"):
+        raise SpecforkError(f"unknown configuration {name!r}: use {', '.join(CONFIGS)}")
+    return {"plain": ["--drafts", "0"], "spec": ["--drafts", "3"]}[name]
 
 
 def system_prompt(tok, tokens: int = 500) -> str:
@@ -212,6 +227,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hf", dest="hf", action="store_false")
     ap.add_argument("--configs", default="plain,spec",
                     help="server configurations, of: " + ", ".join(CONFIGS))
+    ap.add_argument("--ray-address", default=None,
+                    help="plain-rR on this Ray cluster (default: a local instance)")
     ap.add_argument("--out", default="results/serving")
     a = ap.parse_args(argv)
     import torch  # noqa: F401
@@ -231,7 +248,7 @@ def main(argv=None) -> int:
                 + [{"role": "user", "content": qs[i % len(qs)]}] for i in range(n)]
 
     for name in a.configs.split(","):
-        flags = CONFIGS[name]
+        flags = config_flags(name, a.ray_address)
         for cache in ((False,) if "--replicas" in flags else (False, True)):
             args = flags + ([] if cache else ["--no-prefix-cache"])
             with Live(args) as srv:
@@ -311,7 +328,7 @@ def plot(res: dict, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for srv in ("plain", "spec", "plain-r2", "hf static batch"):
+    for srv in sorted({r["server"] for r in res["runs"]}):
         pts = sorted((r["concurrency"], r["output_tok_s"]) for r in res["runs"]
                      if r["server"] == srv and r["workload"].startswith("closed")
                      and not r["prefix_cache"])

@@ -87,7 +87,8 @@ def markdown(res: dict) -> str:
            "| KV MiB per rank | same tokens as N=1 |", "|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         b = r["bytes_per_rank"]
-        out.append(f"| {r['ranks']} | {r['transport']} | {r['threads_per_rank']} | {r['tokens_per_s']:.1f} | "
+        out.append(f"| {r['ranks']} | {r['transport']} | {r['threads_per_rank']} | "
+                   f"{r['tokens_per_s']:.1f} | "
                    f"{r['ms_per_forward']:.1f} | {b[0]['weights'] / 2**20:.0f} | "
                    + ", ".join(f"{x['kv'] / 2**20:.0f}" for x in b)
                    + f" | {'yes' if r['same_tokens_as_first'] else 'no'} |")

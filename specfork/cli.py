@@ -289,8 +289,10 @@ def serve(a) -> int:
         if importlib.util.find_spec("ray") is None:
             raise SpecforkError("--replicas needs Ray Serve: pip install 'specfork[replicas]'")
         from specfork.replicas import serve_replicas
+        import torch
+        gpu = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
         serve_replicas(load, serving, name, a.host, a.port, a.max_waiting, a.replicas,
-                       a.ray_address)
+                       a.ray_address, gpu)
         return 0
     dec = load()
     dec.serving(**serving)

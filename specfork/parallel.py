@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import copy
 import itertools
 import json
 import os
@@ -43,8 +44,13 @@ from specfork.shm_comm import GroupComm, ShmComm
 # A rank waits this long for one collective of a forward (a live peer answers in microseconds;
 # a dead one closes its socket, which ends the wait at once) ...
 STEP_TIMEOUT = timedelta(minutes=10)
-# ... and this long for the driver's next command: a server may idle for days.
+# ... and this long for the driver's next command: a server may idle for days. Starting: a rank
+# that died before it connected is only noticed when this runs out.
 IDLE_TIMEOUT = timedelta(days=365)
+START_TIMEOUT = timedelta(minutes=2)
+# a launcher's variables (torchrun's) that would mislead a rank we spawn ourselves
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
 class RankFailed(RuntimeError):
@@ -69,42 +75,119 @@ def share(n: int, rank: int, world: int) -> tuple[int, int]:
     return rank * n // world, (rank + 1) * n // world
 
 
-def shard_hf(hf, rank: int, world: int) -> None:
-    """Cut a transformers Llama down to rank `rank`'s share in place: the rows of q, k, v of
-    its KV heads (and their query heads), the matching columns of o, its rows of gate and up,
-    its columns of down (each a copy of its own, so the whole matrices are freed). The config
-    then describes this rank's model, which is what `Model` builds from. The head stays whole
-    here (`wrap` splits it)."""
-    cfg = hf.config
+def shard_plan(cfg, rank: int, world: int) -> dict[str, tuple[int, int, int]]:
+    """Rank `rank`'s share of each sharded matrix, by module name (q_proj, ...): (dim, start,
+    end); dim 0 (rows) for q, k, v (its KV heads and their query heads), gate and up, dim 1
+    (columns) for o and down. Cuts `cfg` down to that rank's model, which `Model` builds from.
+    Everything else (embedding, norms, head) is whole here (`wrap` splits the head)."""
     check_shardable(cfg, world)
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     G = cfg.num_attention_heads // cfg.num_key_value_heads          # query heads per KV head
     h0, h1 = share(cfg.num_key_value_heads, rank, world)
     i0, i1 = share(cfg.intermediate_size, rank, world)
-
-    def rows(lin, a, b):
-        lin.weight.data = lin.weight.data[a:b].clone()
-        if lin.bias is not None:
-            lin.bias.data = lin.bias.data[a:b].clone()
-
-    def cols(lin, a, b):
-        lin.tp_absmax = lin.weight.data.abs().amax(dim=1)     # int8 scales of whole rows
-        lin.weight.data = lin.weight.data[:, a:b].clone()
-        if lin.bias is not None and rank:             # the bias is added once, on rank 0
-            lin.bias = None
-
-    for blk in hf.model.layers:
-        a, m = blk.self_attn, blk.mlp
-        rows(a.q_proj, h0 * G * D, h1 * G * D)
-        rows(a.k_proj, h0 * D, h1 * D)
-        rows(a.v_proj, h0 * D, h1 * D)
-        cols(a.o_proj, h0 * G * D, h1 * G * D)
-        rows(m.gate_proj, i0, i1)
-        rows(m.up_proj, i0, i1)
-        cols(m.down_proj, i0, i1)
     cfg.head_dim = D
     cfg.num_attention_heads, cfg.num_key_value_heads = (h1 - h0) * G, h1 - h0
     cfg.intermediate_size = i1 - i0
+    return {"q_proj": (0, h0 * G * D, h1 * G * D), "k_proj": (0, h0 * D, h1 * D),
+            "v_proj": (0, h0 * D, h1 * D), "o_proj": (1, h0 * G * D, h1 * G * D),
+            "gate_proj": (0, i0, i1), "up_proj": (0, i0, i1), "down_proj": (1, i0, i1)}
+
+
+def _cut(name: str, t, plan: dict, rank: int):
+    """This rank's part of checkpoint tensor `name` (a torch tensor or a safetensors slice),
+    None for a bias it does not hold (a column-split matrix's bias is added on rank 0 only);
+    and, for a column-split weight, its whole rows' absmax (int8 scales)."""
+    parts = name.split(".")
+    mod = parts[-2] if len(parts) > 1 else ""
+    if mod not in plan:
+        return t[:], None
+    dim, a, b = plan[mod]
+    if parts[-1] == "bias":
+        return (t[a:b] if dim == 0 else (t[:] if rank == 0 else None)), None
+    if dim == 0:
+        return t[a:b], None
+    whole = t[:]
+    return whole[:, a:b].clone(), whole.abs().amax(dim=1)
+
+
+def shard_hf(hf, rank: int, world: int) -> None:
+    """Cut a loaded transformers Llama down to rank `rank`'s share in place (each part a copy
+    of its own, so the whole matrices are freed): for checkpoints `load_shard` cannot read
+    slice by slice."""
+    plan = shard_plan(hf.config, rank, world)
+    for name, mod in hf.named_modules():
+        short = name.rsplit(".", 1)[-1]
+        if short not in plan:
+            continue
+        w, absmax = _cut(f"{name}.weight", mod.weight.data, plan, rank)
+        mod.weight.data = w.clone() if absmax is None else w
+        if absmax is not None:
+            mod.tp_absmax = absmax
+        if mod.bias is not None:
+            bias, _ = _cut(f"{name}.bias", mod.bias.data, plan, rank)
+            if bias is None:
+                mod.bias = None
+            else:
+                mod.bias.data = bias.clone()
+
+
+def _safetensors(src: str) -> list[str] | None:
+    """The safetensors files of a local checkpoint directory (None: not such a directory)."""
+    import glob
+    if not os.path.isdir(src):
+        return None
+    files = sorted(glob.glob(os.path.join(src, "*.safetensors")))
+    return files or None
+
+
+def load_shard(spec: dict, rank: int, world: int):
+    """(transformers model holding only rank `rank`'s share, tokenizer): built on the meta
+    device from the cut config, then filled with slices read from the safetensors files, so a
+    rank never holds the whole model (a 70B checkpoint over 8 ranks: 1/8 of its layers each).
+    Checkpoints that are not safetensors files load whole, then `shard_hf` cuts them."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from safetensors import safe_open
+
+    from specfork.loader import load_hf, load_tokenizer, resolve
+    dev = _local_device(spec["device"], rank)
+    src = resolve(spec["target"])
+    files = _safetensors(src)
+    if files is None:
+        hf, tok = load_hf(spec["target"], dtype=spec["dtype"], device="cpu")
+        shard_hf(hf, rank, world)
+        return hf.to(dev), tok
+    dtype = spec["dtype"] or (torch.bfloat16 if dev.startswith("cuda") else torch.float32)
+    cfg = AutoConfig.from_pretrained(src, local_files_only=True)
+    plan = shard_plan(cfg, rank, world)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    state, absmax = {}, {}
+    for f in files:
+        with safe_open(f, framework="pt", device="cpu") as st:
+            for name in st.keys():
+                t, amax = _cut(name, st.get_slice(name), plan, rank)
+                if t is not None:
+                    state[name] = t.to(dev, dtype)
+                if amax is not None:
+                    absmax[name.rsplit(".", 1)[0]] = amax
+    missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
+    del state
+    if cfg.tie_word_embeddings:
+        hf.lm_head.weight = hf.model.embed_tokens.weight
+    left = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    if left or unexpected:
+        raise SpecforkError(f"{src}: checkpoint does not match its config "
+                            f"(missing {left[:3]}, unexpected {unexpected[:3]})")
+    for name, amax in absmax.items():
+        hf.get_submodule(name).tp_absmax = amax
+    # buffers computed at init (RoPE frequencies) were made on the meta device
+    with torch.device("cpu"):
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(cfg).to(dev)
+    try:
+        hf.generation_config = GenerationConfig.from_pretrained(src, local_files_only=True)
+    except OSError:
+        pass
+    return hf.eval(), load_tokenizer(spec["target"])
 
 
 class RowParallel:
@@ -156,6 +239,8 @@ def wrap(model, rank: int, world: int, comm) -> None:
     full = model.hf.lm_head.weight
     n = -(-model.vocab_size // world)
     w = full.data[rank * n:(rank + 1) * n]                         # a view: no copy
+    if rank and full is not model.hf.model.embed_tokens.weight:   # untied: keep only our rows
+        w = full.data = w.clone()
     bias = model.hf.lm_head.bias
     b = None if bias is None else bias.data[rank * n:(rank + 1) * n]
     if model.weights != "float32":
@@ -164,8 +249,6 @@ def wrap(model, rank: int, world: int, comm) -> None:
         head = Linear(w, b, pack=model.pack, min_rows=model.packed_min_rows)
         head.exact = model.rows_exact
     model.lm_head = VocabParallelHead(head, model.vocab_size, world, comm)
-    if rank and full is not model.hf.model.embed_tokens.weight:   # untied: keep only our rows
-        full.data = w.clone()
 
 
 def _threads(world: int) -> None:
@@ -181,9 +264,18 @@ def _groups(device: str, rank: int, world: int, one_host: bool):
     ctl = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     if str(device).startswith("cuda"):
         return GroupComm(dist.new_group(backend="nccl", timeout=STEP_TIMEOUT)), ctl
-    if one_host and os.environ.get("SPECFORK_TP_SHM", "1") != "0":
-        return ShmComm(rank, world, ctl, fallback=dist.group.WORLD), ctl
-    return GroupComm(dist.group.WORLD), ctl
+    steps = dist.new_group(backend="gloo", timeout=STEP_TIMEOUT)
+    if one_host and shm_ok():
+        return ShmComm(rank, world, ctl, fallback=steps), ctl
+    return GroupComm(steps), ctl
+
+
+def shm_ok() -> bool:
+    """Shared-memory collectives: on x86 (its stores are seen in order, which the protocol
+    relies on), unless SPECFORK_TP_SHM=0."""
+    import platform
+    return (platform.machine().lower() in ("x86_64", "amd64")
+            and os.environ.get("SPECFORK_TP_SHM", "1") != "0")
 
 
 def _local_device(device: str | None, rank: int) -> str:
@@ -195,11 +287,8 @@ def _local_device(device: str | None, rank: int) -> str:
 
 def load_rank(spec: dict, rank: int, world: int, comm):
     """(this rank's Model, tokenizer) for `spec` (target, dtype, device, weights, kv_cache)."""
-    from specfork.loader import load_hf
     from specfork.model import Model
-    hf, tok = load_hf(spec["target"], dtype=spec["dtype"],
-                      device=_local_device(spec["device"], rank))
-    shard_hf(hf, rank, world)
+    hf, tok = load_shard(spec, rank, world)
     model = Model(hf, weights=spec["weights"], kv_cache=spec["kv_cache"])
     wrap(model, rank, world, comm)
     return model, tok
@@ -219,14 +308,17 @@ def rank_bytes(model, pool) -> dict:
 
 
 def _to(obj, dev):
-    """Tensors inside a command moved to this rank's device (NCCL ranks each own one GPU)."""
+    """A copy of a command with its tensors on `dev`: the CPU before it is sent (a pickled
+    CUDA tensor would land on GPU 0 of every rank), then each rank's own GPU."""
     if isinstance(obj, torch.Tensor):
         return obj.to(dev)
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to(x, dev) for x in obj)
     if hasattr(obj, "__dict__"):
+        new = copy.copy(obj)
         for k, v in vars(obj).items():
-            setattr(obj, k, _to(v, dev))
+            setattr(new, k, _to(v, dev))
+        return new
     return obj
 
 
@@ -271,8 +363,8 @@ class Driver:
         self._dropped: list[int] = []          # pools collected since the last command
         self._head = None
         self.failed: str | None = None
-        self.on_rank_exit = None               # serve: stop when a rank dies while idle
-        self._closing = False
+        self.on_rank_exit = None               # serve: stop when a rank dies
+        self._closed = False                   # close() was called
         if self._procs:
             threading.Thread(target=self._watch, daemon=True, name="specfork-tp-watch").start()
         atexit.register(self.close)
@@ -302,21 +394,26 @@ class Driver:
         """fn(), with a broken peer turned into one clear error on every later call too."""
         try:
             return fn()
-        except RuntimeError as e:
-            if isinstance(e, RankFailed) or not dist.is_initialized():
+        except BaseException as e:
+            if isinstance(e, RankFailed):
                 raise
+            # anything that leaves rank 0 mid-step (a dead peer, Ctrl-C) leaves the ranks out
+            # of step for good: stop them all
             dead = [f"rank {i + 1} exited with code {p.poll()}"
                     for i, p in enumerate(self._procs) if p.poll() is not None]
-            why = "; ".join(dead) or str(e).strip().splitlines()[0]
+            why = "; ".join(dead) or (str(e).strip().splitlines() or [type(e).__name__])[0]
             self.failed = f"tensor parallelism stopped: {why}"
             self._kill()
-            raise RankFailed(self.failed) from None
+            if isinstance(e, RuntimeError):
+                raise RankFailed(self.failed) from None
+            raise
 
     def forward(self, tokens, positions, pool, meta, logits_idx=None, head=None, capture=None):
         if head is not None:
             raise SpecforkError("a vocabulary-subset head is a draft model's: the "
                                 "tensor-parallel target has none")
-        self._send("forward", (tokens, positions, pool.tp_id, meta, logits_idx, capture))
+        cmd = (tokens, positions, pool.tp_id, meta, logits_idx, capture)
+        self._send("forward", cmd if tokens.device.type == "cpu" else _to(cmd, "cpu"))
         return self._guard(lambda: self._model.forward(tokens, positions, pool, meta,
                                                        logits_idx=logits_idx, capture=capture))
 
@@ -327,7 +424,7 @@ class Driver:
         pool.tp_id = next(self._ids)
         self._send("pool", (pool.tp_id, pool.num_blocks, pool.block_size))
         pid = pool.tp_id
-        pool.mirror = lambda name, *a: self._send("pool_op", (pid, name, a))
+        pool.mirror = lambda name, *a: self._send("pool_op", (pid, name, _to(a, "cpu")))
         weakref.finalize(pool, self._dropped.append, pid)
         return pool
 
@@ -360,26 +457,26 @@ class Driver:
         for r, p in enumerate(self._procs, 1):
             threading.Thread(target=wait, args=(r, p), daemon=True).start()
         done.wait()
-        if self._closing:
+        if self._closed:
             return
         r = first[0]
-        self.failed = (f"tensor parallelism stopped: rank {r} exited with code "
-                       f"{self._procs[r - 1].poll()}")
+        if not self.failed:
+            self.failed = (f"tensor parallelism stopped: rank {r} exited with code "
+                           f"{self._procs[r - 1].poll()}")
         self._kill()                              # the others would wait on it forever
         if self.on_rank_exit is not None:
             self.on_rank_exit()
 
     def _kill(self) -> None:
-        self._closing = True
         for p in self._procs:
             if p.poll() is None:
                 p.kill()
 
     def close(self) -> None:
         """Stop every rank (idempotent)."""
-        if self._closing:
+        if self._closed:
             return
-        self._closing = True
+        self._closed = True
         try:
             if not self.failed and dist.is_initialized():
                 self._send("stop")
@@ -408,7 +505,7 @@ def _worker(rank: int, world: int, addr: str, spec: dict) -> None:
     _threads(world)
     try:
         dist.init_process_group("gloo", init_method=addr, rank=rank, world_size=world,
-                                timeout=STEP_TIMEOUT)
+                                timeout=START_TIMEOUT)
         comm, ctl = _groups(spec["device"], rank, world, True)
         model, _ = load_rank(spec, rank, world, comm)
         serve_driver(model, ctl, rank)
@@ -429,6 +526,10 @@ def start(world: int, spec: dict):
     from specfork.loader import resolve
     check_shardable(AutoConfig.from_pretrained(resolve(spec["target"]), local_files_only=True),
                     world)                                       # before any process starts
+    if _local_device(spec["device"], 0).startswith("cuda") and \
+            torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", world)):
+        raise SpecforkError(f"--tensor-parallel {world}: one GPU per rank, and this machine "
+                            f"has {torch.cuda.device_count()}")
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     procs = []
     if env_world > 1:
@@ -437,27 +538,28 @@ def start(world: int, spec: dict):
                                 "processes: they must match")
         rank = int(os.environ["RANK"])
         _threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=STEP_TIMEOUT)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=START_TIMEOUT)
     else:
         rank = 0
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         addr = f"tcp://127.0.0.1:{_free_port()}"
         arg = json.dumps({**spec, "dtype": None if spec["dtype"] is None
                           else str(spec["dtype"]).removeprefix("torch.")})
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
         procs = [subprocess.Popen([sys.executable, "-m", "specfork.parallel", str(r),
                                    str(world), addr, arg], stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL) for r in range(1, world)]
+                                  stdout=subprocess.DEVNULL, env=env) for r in range(1, world)]
         _threads(world)
         try:
             dist.init_process_group("gloo", init_method=addr, rank=0, world_size=world,
-                                    timeout=STEP_TIMEOUT)
+                                    timeout=START_TIMEOUT)
         except BaseException:
             for p in procs:
                 p.kill()
             raise
     try:
-        comm, ctl = _groups(spec["device"], rank, world,
-                            int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world)
+        one_host = not env_world > 1 or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) == world
+        comm, ctl = _groups(spec["device"], rank, world, one_host)
         model, tok = load_rank(spec, rank, world, comm)
     except BaseException:
         for p in procs:

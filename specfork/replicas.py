@@ -69,8 +69,9 @@ class Replica:
 
 
 def serve_replicas(load, serving: dict, model_name: str, host: str, port: int,
-                   max_waiting: int, replicas: int, address: str | None) -> None:
-    """Deploy `replicas` engines on Ray Serve at http://host:port and wait for SIGINT/SIGTERM."""
+                   max_waiting: int, replicas: int, address: str | None, gpu: bool) -> None:
+    """Deploy `replicas` engines on Ray Serve at http://host:port and wait for SIGINT/SIGTERM.
+    `gpu`: each replica gets a GPU of its own (Ray hides the others from it)."""
     try:
         import ray
         from ray import serve
@@ -90,7 +91,7 @@ def serve_replicas(load, serving: dict, model_name: str, host: str, port: int,
         dep = serve.deployment(serve.ingress()(Replica)).options(
             name="specfork", num_replicas=replicas,
             max_ongoing_requests=serving["max_batch"] + max_waiting,
-            ray_actor_options={"num_cpus": share},
+            ray_actor_options={"num_cpus": share, **({"num_gpus": 1} if gpu else {})},
             health_check_period_s=10, graceful_shutdown_timeout_s=5)
         serve.run(dep.bind(load, serving, model_name, max_waiting, max(1, int(share))),
                   name="specfork", route_prefix="/")

@@ -49,16 +49,18 @@ class ShmComm:
             with open(path, "wb") as f:
                 f.truncate(size)
             box = [path]
-        dist.broadcast_object_list(box, src=0, group=ctl)
-        path = box[0]
-        fd = os.open(path, os.O_RDWR)
         try:
-            self.mm = mmap.mmap(fd, size)
+            dist.broadcast_object_list(box, src=0, group=ctl)
+            path = box[0]
+            fd = os.open(path, os.O_RDWR)
+            try:
+                self.mm = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            dist.barrier(group=ctl)
         finally:
-            os.close(fd)
-        dist.barrier(group=ctl)
-        if rank == 0:
-            os.unlink(path)
+            if rank == 0:                 # mapped everywhere (or failed): the name can go
+                os.unlink(path)
         self.flags = memoryview(self.mm)[:_HEADER].cast("q")     # [2 * world] then pids
         self.flags[2 * world + rank] = os.getpid()
         self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=_HEADER,

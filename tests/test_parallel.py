@@ -194,6 +194,22 @@ def test_killing_rank_zero_stops_the_others(tiny_dir):
             os.kill(worker, signal.SIGKILL)
 
 
+def test_ctrl_c_stops_every_rank(tiny_dir):
+    """Ctrl-C mid-generation: status 130, and no rank is left waiting for the next step."""
+    p, worker = _start(tiny_dir)
+    try:
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=60) == 130
+        deadline = time.time() + 30
+        while not _gone(worker) and time.time() < deadline:
+            time.sleep(0.2)
+        assert _gone(worker)
+    finally:
+        p.kill()
+        if not _gone(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
 def test_a_rank_dying_stops_an_idle_server(tiny_dir):
     """Between requests rank 0 is in no collective: the watchdog notices, and the server
     stops with one line and status 1."""
