@@ -94,8 +94,8 @@ def test_embedded_model_two_ranks_uneven():
 def test_embedded_model_three_ranks():
     prompts = ["Name three uses of a paperclip.", "Write a Python function that reverses a "
                "list in place."]
-    check_same(outputs("smollm2-135m", 1, prompts, 32, False),
-               outputs("smollm2-135m", 3, prompts, 32, False), 3)
+    check_same(outputs("smollm2-135m", 1, prompts, 24, False),
+               outputs("smollm2-135m", 3, prompts, 24, False), 3)
 
 
 @pytest.mark.parametrize("shm", ["1", "0"])
@@ -179,28 +179,18 @@ def test_killing_a_rank_stops_rank_zero(tiny_dir):
         p.kill()
 
 
-def test_killing_rank_zero_stops_the_others(tiny_dir):
+@pytest.mark.parametrize("how", ["kill rank 0", "ctrl-c"])
+def test_the_other_ranks_stop_with_rank_zero(tiny_dir, how):
+    """Rank 0 killed, or interrupted mid-generation (status 130): no rank is left waiting."""
     p, worker = _start(tiny_dir)
     try:
-        p.kill()
-        p.wait(timeout=30)
+        if how == "kill rank 0":
+            p.kill()
+            p.wait(timeout=30)
+        else:
+            p.send_signal(signal.SIGINT)
+            assert p.wait(timeout=60) == 130
         deadline = time.time() + 60
-        while not _gone(worker) and time.time() < deadline:
-            time.sleep(0.2)
-        assert _gone(worker)
-    finally:
-        p.kill()
-        if not _gone(worker):
-            os.kill(worker, signal.SIGKILL)
-
-
-def test_ctrl_c_stops_every_rank(tiny_dir):
-    """Ctrl-C mid-generation: status 130, and no rank is left waiting for the next step."""
-    p, worker = _start(tiny_dir)
-    try:
-        p.send_signal(signal.SIGINT)
-        assert p.wait(timeout=60) == 130
-        deadline = time.time() + 30
         while not _gone(worker) and time.time() < deadline:
             time.sleep(0.2)
         assert _gone(worker)
