@@ -112,3 +112,39 @@ def test_default_mix_of_the_embedded_target_uses_the_trained_draft(smol):
     assert make_drafters(None, "smollm2-135m", model, 3, draft_vocab=0)[1].vocab is None
     with pytest.raises(SpecforkError):
         make_drafters(None, "smollm2-135m", model, 3, draft_vocab=-1)
+
+
+def test_long_context_read_as_sinks_and_window(smol):
+    """A context longer than SINK + WINDOW is read as its first SINK and last WINDOW tokens:
+    the drafts, and the drafts after an accepted step, are those of a drafter given exactly
+    that shorter context; and a long prompt decodes to plain decoding's tokens."""
+    from specfork.decoder import SpecDecoder
+    from specfork.drafters import model_drafter as md
+    from specfork.drafters.registry import trained_drafter
+    from specfork.sampling import sampling_params
+    hf, tok, model = smol
+    sp = sampling_params(0.0)
+    text = " ".join(f"item {i} costs {i * 7 % 13} coins;" for i in range(120))
+    ids = tok(text)["input_ids"]
+    assert len(ids) > md.SINK + md.WINDOW + 100
+    short = ids[:md.SINK] + ids[-md.WINDOW:]
+    a, b = trained_drafter(model, max_paths=2), trained_drafter(model, max_paths=2)
+    a.begin(ids)
+    b.begin(short)
+    pa = [p.tokens for p in a.propose(ids, 2, 4, sp)]
+    assert pa == [p.tokens for p in b.propose(short, 2, 4, sp)]
+    step = pa[0][:2] + [5]                       # two draft tokens accepted, then another
+    a.observe(ids + step)
+    b.observe(short + step)
+    assert a.C.length == b.C.length == len(short) + 2
+    assert ([p.tokens for p in a.propose(ids + step, 2, 4, sp)]
+            == [p.tokens for p in b.propose(short + step, 2, 4, sp)])
+    a.end()
+    b.end()
+    dec = SpecDecoder(model, tok, [trained_drafter(model, max_paths=2)], num_paths=2,
+                      max_kv_tokens=4096)
+    plain = SpecDecoder(model, tok, max_kv_tokens=4096)
+    r = dec.generate(text + " List the items that cost 3 coins.", max_new_tokens=48)
+    assert r.token_ids == plain.generate(text + " List the items that cost 3 coins.",
+                                         max_new_tokens=48).token_ids
+    assert r.stats["target_forwards"] < 48                  # the windowed drafts are accepted

@@ -29,6 +29,12 @@ from specfork.sampling import probs_from_logits
 # HumanEval); results/tune_drafting.json, default mix, 3 paths, 4 tokens: 0.3 runs at 1.20x our
 # greedy, 0 at 0.91x (with the whole output layer: 1.11x against 0.74x); tau 1.88 against 2.10.
 MIN_CONF = 0.3
+# A long context is read as its first SINK tokens and its last WINDOW ones (StreamingLLM's
+# attention sinks + recent window): a request's first draft would otherwise prefill the whole
+# prompt through the draft, paid by every request of a batch that shares a long system prompt
+# (the target's copy comes from the prefix cache, the draft's does not), and by every long
+# document. Drafts only propose: what the draft reads changes acceptance, never the output.
+SINK, WINDOW = 4, 256
 
 
 def check_min_conf(min_conf: float) -> None:
@@ -58,6 +64,7 @@ class ModelDrafter:
                                                           max_len), block_size=block_size)
         self.kv = KVTree(self.pool)
         self.C = None
+        self.skip = 0                        # context tokens C leaves out after its SINK first
         self.forks: list = []                # live draft forks of C, one per proposed path
         self.fork_tokens: list[list[int]] = []
 
@@ -89,6 +96,7 @@ class ModelDrafter:
     def begin(self, prompt_ids: list[int]) -> None:
         self.end()
         self.C = self.kv.new_branch()
+        self.skip = 0
         if self.vocab is not None:
             self.in_head = torch.zeros(self.model.vocab_size, dtype=torch.bool)
             self.in_head[self.vocab] = True
@@ -105,7 +113,7 @@ class ModelDrafter:
     def observe(self, context: list[int]) -> None:
         """Adopt the fork that holds the longest accepted prefix; free the others."""
         n = self.C.length
-        new = context[n:]
+        new = context[n + self.skip:]
         best, best_j = None, 0
         for f, toks in zip(self.forks, self.fork_tokens):
             j = 0
@@ -133,15 +141,20 @@ class ModelDrafter:
         m, kv, dev = self.model, self.kv, self.model.device
         self._drop_forks()
         n = self.C.length
-        if n >= len(context):                     # never expected: the context only grows
-            kv.truncate(self.C, len(context) - 1)
-            n = self.C.length
+        if n == 0 and len(context) > SINK + WINDOW:            # first read of a long context
+            self.skip = len(context) - SINK - WINDOW
+            unread = context[:SINK] + context[SINK + self.skip:]
+        else:
+            if n + self.skip >= len(context):    # never expected: the context only grows
+                kv.truncate(self.C, len(context) - self.skip - 1)
+                n = self.C.length
+            unread = context[n + self.skip:]
         if self.in_head is not None:
-            self._extend_head(context[n:])          # tokens the draft has not read yet
-        feed = torch.tensor(context[n:], device=dev)
+            self._extend_head(unread)               # tokens the draft has not read yet
+        feed = torch.tensor(unread, device=dev)
         prefix = kv.slots(self.C)
         slots = kv.append(self.C, len(feed))
-        logits = m.forward(feed, torch.arange(n, len(context), device=dev), self.pool,
+        logits = m.forward(feed, torch.arange(n, n + len(unread), device=dev), self.pool,
                            AttnMeta.prefill(m, prefix, slots),
                            logits_idx=slice(len(feed) - 1, len(feed)), head=self.head)[0]
         first, q0, conf = self._choose(logits, max(1, num_paths), sp)
