@@ -37,30 +37,29 @@ def _alive(pid: int) -> bool:
 
 class ShmComm:
     """Sum-all-reduce and gather-to-rank-0 among `world` ranks of one host. Built collectively
-    over `ctl` (a gloo group): rank 0 creates the segment, every rank maps it, then its name is
-    unlinked, so nothing is left behind whatever way the processes end."""
+    over `ctl` (a gloo group): rank 0 makes an anonymous memory file (memfd), every rank maps it
+    through rank 0's /proc fd entry, so nothing is left behind whatever way the processes end."""
 
     def __init__(self, rank: int, world: int, ctl, fallback):
         self.rank, self.world, self.fallback = rank, world, fallback
         size = _HEADER + 2 * world * MAX_BYTES
-        box = [None]
-        if rank == 0:
-            path = f"/dev/shm/specfork-tp-{os.getpid()}-{time.monotonic_ns()}"
-            with open(path, "wb") as f:
-                f.truncate(size)
-            box = [path]
+        box, own = [None], None
+        if rank == 0:                  # an anonymous file: no name in /dev/shm to leave behind
+            own = os.memfd_create("specfork-tp")
+            os.ftruncate(own, size)
+            box = [f"/proc/{os.getpid()}/fd/{own}"]
         try:
             dist.broadcast_object_list(box, src=0, group=ctl)
-            path = box[0]
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(box[0], os.O_RDWR) if rank else own
             try:
                 self.mm = mmap.mmap(fd, size)
             finally:
-                os.close(fd)
-            dist.barrier(group=ctl)
+                if rank:
+                    os.close(fd)
+            dist.barrier(group=ctl)    # every rank has mapped it
         finally:
-            if rank == 0:                 # mapped everywhere (or failed): the name can go
-                os.unlink(path)
+            if own is not None:
+                os.close(own)
         self.flags = memoryview(self.mm)[:_HEADER].cast("q")     # [2 * world] then pids
         self.flags[2 * world + rank] = os.getpid()
         self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=_HEADER,
