@@ -74,6 +74,10 @@ def test_bad_input_one_line_error(converted, args, needle):
     (["--min-conf", "0.2"], "--min-conf applies only with --drafts N"),
     (["--kv-cache", "turbo9"], "turbo9"),
     (["--target", "no-such-model"], "unknown model 'no-such-model'"),
+    (["--replicas", "0"], "--replicas must be >= 1"),
+    (["--ray-address", "head:6379"], "--ray-address applies only with --replicas R"),
+    (["--replicas", "2", "--tensor-parallel", "3"], "--replicas with --tensor-parallel"),
+    (["--tensor-parallel", "0"], "--tensor-parallel must be >= 1"),
 ])
 def test_serve_bad_flags_one_line_error(converted, args, needle):
     p, dt = run("serve", *args)
