@@ -20,18 +20,20 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
 
+THREADS = torch.get_num_threads()       # one process's default: every core
+
 from prompts import load_prompts  # noqa: E402
 from provenance import command, machine, write_results  # noqa: E402
 
 
 def run(target: str, n: int, prompts: list[str], max_new: int, threads: int | None,
-        transport: str) -> dict:
+        transport: str, weights: str = "auto") -> dict:
     from specfork.decoder import SpecDecoder
     from specfork.parallel import rank_bytes
-    if threads:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads or THREADS)
     os.environ["SPECFORK_TP_SHM"] = "1" if transport == "shm" else "0"
-    dec = SpecDecoder.from_pretrained(target, tensor_parallel=n, max_kv_tokens=4096)
+    dec = SpecDecoder.from_pretrained(target, tensor_parallel=n, max_kv_tokens=4096,
+                                      weights=weights)
     try:
         dec.generate(prompts[0], max_new_tokens=8)                      # warm-up
         steps, toks, secs, ids = 0, 0, 0.0, []
@@ -43,7 +45,7 @@ def run(target: str, n: int, prompts: list[str], max_new: int, threads: int | No
             toks += r.stats["new_tokens"]
             ids.append(r.token_ids)
         mem = (dec.model.rank_bytes(dec.pool) if n > 1 else [rank_bytes(dec.model, dec.pool)])
-        return {"ranks": n, "transport": transport if n > 1 else "-",
+        return {"weights": weights, "ranks": n, "transport": transport if n > 1 else "-",
                 "threads_per_rank": torch.get_num_threads(), "tokens": toks,
                 "seconds": secs, "tokens_per_s": toks / secs, "ms_per_forward":
                 1e3 * secs / steps, "bytes_per_rank": mem, "token_ids": ids}
@@ -60,17 +62,26 @@ def main(argv=None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--transports", default="shm,gloo",
                    help="how the ranks' collectives travel: shm (shared memory), gloo")
+    p.add_argument("--weights", default="auto",
+                   help="weight formats, each its own rows (compared with its own N = 1)")
     p.add_argument("--out", default="results/tp_cpu")
     a = p.parse_args(argv)
     prompts = [q["text"] for q in load_prompts("mtbench", a.prompts, spread=True)]
     rows = []
-    for n in (int(x) for x in a.ranks.split(",")):
-        # N = 1 on every core and on one (what each rank of N = 2 gets here)
-        for threads, tr in ([(None, "-"), (1, "-")] if n == 1 else
-                           [(None, t) for t in a.transports.split(",")]):
-            rows.append(run(a.target, n, prompts, a.max_new_tokens, threads, tr))
-            rows[-1]["same_tokens_as_first"] = rows[-1]["token_ids"] == rows[0]["token_ids"]
-            print({k: v for k, v in rows[-1].items() if k != "token_ids"}, flush=True)
+    for w in a.weights.split(","):
+        first = None
+        for n in (int(x) for x in a.ranks.split(",")):
+            # N = 1 on every core and on one (what each rank of N = 2 gets here)
+            for threads, tr in ([(None, "-"), (1, "-")] if n == 1 else
+                               [(None, t) for t in a.transports.split(",")]):
+                r = run(a.target, n, prompts, a.max_new_tokens, threads, tr, w)
+                first = first or r
+                r["same_tokens_as_first"] = r["token_ids"] == first["token_ids"]
+                r["first_difference"] = [next((i for i, (x, y) in enumerate(zip(o, f))
+                                               if x != y), None)
+                                         for o, f in zip(r["token_ids"], first["token_ids"])]
+                rows.append(r)
+                print({k: v for k, v in r.items() if k != "token_ids"}, flush=True)
     res = {"command": command("bench_tp", argv), "machine": machine(), "target": a.target,
            "max_new_tokens": a.max_new_tokens, "prompts": len(prompts), "rows": rows}
     write_results(a.out, res, markdown)
@@ -83,15 +94,19 @@ def markdown(res: dict) -> str:
            f"{res['target']}, greedy, {res['prompts']} MT-bench prompts x "
            f"{res['max_new_tokens']} tokens. Ranks share these cores: this shows the cost of "
            "the collectives and memory per rank, not a speedup.\n",
-           "| ranks | collectives | threads/rank | tok/s | ms per forward | weights MiB (rank 0) "
-           "| KV MiB per rank | same tokens as N=1 |", "|---|---|---|---|---|---|---|---|"]
+           "| weights | ranks | collectives | threads/rank | tok/s | ms per forward | "
+           "weights MiB (rank 0) | KV MiB per rank | same tokens as N=1 (first difference) |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         b = r["bytes_per_rank"]
-        out.append(f"| {r['ranks']} | {r['transport']} | {r['threads_per_rank']} | "
+        diff = ", ".join("-" if i is None else str(i) for i in r.get("first_difference", []))
+        out.append(f"| {r.get('weights', 'auto')} | {r['ranks']} | {r['transport']} | "
+                   f"{r['threads_per_rank']} | "
                    f"{r['tokens_per_s']:.1f} | "
                    f"{r['ms_per_forward']:.1f} | {b[0]['weights'] / 2**20:.0f} | "
                    + ", ".join(f"{x['kv'] / 2**20:.0f}" for x in b)
-                   + f" | {'yes' if r['same_tokens_as_first'] else 'no'} |")
+                   + f" | {'yes' if r['same_tokens_as_first'] else 'no'}"
+                   + (f" ({diff})" if diff else "") + " |")
     return "\n".join(out) + "\n"
 
 

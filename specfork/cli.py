@@ -117,8 +117,9 @@ def _draft_args(g) -> None:
 
 def _tp_arg(g) -> None:
     g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                   help="shard the target over N processes (gloo on CPU, NCCL on GPU; the "
-                        "target's KV heads must divide by N; under torchrun: its process count)")
+                   help="shard the target over N processes (at most its KV heads; CPU ranks "
+                        "on one host share memory, GPUs use NCCL; under torchrun: its process "
+                        "count)")
 
 
 def _kv_arg(g) -> None:
@@ -203,10 +204,10 @@ def _checked_loader(a, drafting: dict, **kw):
     tp = _tensor_parallel(a)
     dtype = getattr(torch, a.dtype) if a.dtype else None
     return functools.partial(                    # picklable: Ray replicas load with it too
-        SpecDecoder.from_pretrained, target=a.target, drafts=a.drafts, drafter=a.drafter, draft_len=draft_len, dtype=dtype,
-        device=a.device, min_conf=a.min_conf, draft_vocab=a.draft_vocab, tree_topk=tree[0],
-        tree_depth=tree[1], draft_tokens=tree[2], adaptive=a.adaptive, weights=a.weights,
-        kv_cache=a.kv_cache, tensor_parallel=tp, **kw)
+        SpecDecoder.from_pretrained, target=a.target, drafts=a.drafts, drafter=a.drafter,
+        draft_len=draft_len, dtype=dtype, device=a.device, min_conf=a.min_conf,
+        draft_vocab=a.draft_vocab, tree_topk=tree[0], tree_depth=tree[1], draft_tokens=tree[2],
+        adaptive=a.adaptive, weights=a.weights, kv_cache=a.kv_cache, tensor_parallel=tp, **kw)
 
 
 def generate(a) -> int:

@@ -1,8 +1,8 @@
 """Tensor parallelism over torch.distributed, sharded as Megatron-LM, vLLM and SGLang shard a
 Llama: q|k|v and gate|up split by output rows (column parallel: each rank computes its own
 heads and MLP columns, no communication), o and down split by input columns (row parallel:
-partial sums, one all-reduce each), the vocabulary head split by rows (one all-gather of the
-logits). Every rank holds 1/N of the KV heads (with their query heads), of the weights and
+partial sums, one all-reduce each), the vocabulary head split by rows (its logits gathered
+on rank 0). Every rank holds 1/N of the KV heads (with their query heads), of the weights and
 a block pool of its own KV heads (as evenly as they split: 3 KV heads over 2 ranks are 1 and
 2). The token embedding is replicated: the residual stream is whole on every
 rank after each all-reduce.
@@ -16,7 +16,8 @@ differ per rank: deciding on every rank would diverge, then hang).
 
 Ranks come from `torchrun --nproc-per-node N` (RANK/WORLD_SIZE in the environment: ranks > 0
 serve the driver from `from_pretrained` and exit when it stops) or are spawned here (gloo on
-127.0.0.1). gloo moves the activations on CPU, NCCL on GPU; commands always go over gloo.
+127.0.0.1). Activations move through shared memory between CPU ranks of one host
+(`specfork/shm_comm.py`), over NCCL between GPUs, else over gloo; commands always go over gloo.
 """
 from __future__ import annotations
 
@@ -437,9 +438,7 @@ class Driver:
         return out
 
     def calibrate_kv(self, ids: list[int]) -> None:
-        if not self._model.kv_codecs or not self._model.kv_codecs[0][0].rotated:
-            return
-        self._send("calibrate", ids)
+        self._send("calibrate", ids)                     # a no-op on every rank unless TurboQuant
         self._guard(lambda: self._model.calibrate_kv(ids))
 
     # -- lifetime -------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The collectives of a tensor-parallel forward between ranks on one host, through shared memory.
 
-gloo over loopback took 645 us per all-reduce of one 576-float row on this 2-core Xeon (and 470
-us per all-gather of a 16384-logit row): a decode step of the embedded model makes 61 of them,
-so most of a step went to wake-ups in the transport. Here each rank copies its tensor into its
+A decode step of the embedded model makes 61 collectives of a few KiB each; over gloo on
+loopback most of the step went to the transport's wake-ups (N = 2 on this 2-core Xeon: 93.8 ms
+per forward over gloo, 37.2 ms this way, 31.0 ms in one process; `python eval/bench_tp.py`,
+results/tp_cpu.md). Here each rank copies its tensor into its
 own slot of a shared segment, publishes a sequence number, and spins (yielding the core) until
 every rank has published; then every rank sums the slots in rank order, so all ranks get the
 same bits. Two slot sets alternate: a rank can be at most one collective ahead of another

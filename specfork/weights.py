@@ -90,7 +90,8 @@ class QuantLinear:
 def quantize_int8(w: torch.Tensor, absmax: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """`w [N, K]` -> (q int8 `[N, K]`, s bf16 `[N]`), w ~ q * s per output channel."""
-    s = ((w.abs().amax(dim=1) if absmax is None else absmax.float()) / 127).clamp_min(1e-12).bfloat16()
+    amax = w.abs().amax(dim=1) if absmax is None else absmax.float()
+    s = (amax / 127).clamp_min(1e-12).bfloat16()
     q = torch.round(w / s.float()[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, s
 
