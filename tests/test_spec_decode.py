@@ -267,10 +267,13 @@ def test_embedded_sampling_two_tokens_lossless(smol, mix):
             cells[(x, y)] = float(p1[x] * p2[i, y])
     keys = list(cells)
     counts = torch.zeros(len(keys))
-    # 1000 draws at p > 1e-3: 400 at 0.01 false-alarmed on the EAGLE tree (seeds 0-399 gave
-    # p = 0.007; seeds 400-2399 gave 0.96), and more draws see a smaller bias
-    for s in range(1000):
+    # 500 draws at p > 1e-3 (a 0.1% false alarm rate; 400 at 0.01 once false-alarmed on the
+    # EAGLE tree: seeds 0-399 gave p = 0.007, seeds 400-2399 0.96). 1000 draws cost 2.5 of
+    # the suite's 20 minutes; the joint law over three verify steps is tested on the tiny model
+    for s in range(500):
         r = dec.generate(prompt, max_new_tokens=2, temperature=1.0, top_k=3, seed=s)
         counts[keys.index(tuple(r.token_ids))] += 1
-    assert chi2_pvalue(counts, torch.tensor([cells[k] for k in keys])) > 1e-3
+    p = chi2_pvalue(counts, torch.tensor([cells[k] for k in keys]))
+    print(f"chi2 p = {p:.3g}")
+    assert p > 1e-3
     assert math.isclose(sum(cells.values()), 1.0, rel_tol=1e-4)
