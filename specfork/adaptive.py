@@ -14,6 +14,10 @@ A plan gives each drafter a depth (0: it does not draft this step). Its value:
   `CostModel` (timed tree sizes plus the request's own offset). Tree rows are each drafter's
   measured paths (or nodes) per depth times the depth.
 - The empty plan is plain decoding: one token for a one-row forward.
+- The path budget (how many paths the chosen path drafters share, 1 .. `num_paths`) is planned
+  too, with acceptance kept per width (the best of a drafter's first w paths): where each row
+  costs a share of a decode step (fp32 on a 2-core CPU: 8 rows cost 1.5 steps) a second and
+  third path rarely earn their rows, and where rows are nearly free (a GPU, AMX bf16) they do.
 
 Drafters that cost next to nothing (n-gram lookup: `cheap`) draft every step even when they are
 not verified, and are scored against the tokens the target emitted ("shadow" scoring), so they
@@ -48,14 +52,19 @@ def matched(paths: list[list[int]], emitted: list[int]) -> tuple[int, int]:
 
 
 class _Track:
-    """One drafter's measured behaviour within a request."""
+    """One drafter's measured behaviour within a request. A path drafter's acceptance is kept
+    per width w (its first w paths: the best match among them), for w up to the path budget,
+    so the controller can weigh a narrower tree (fewer rows) against a wider one."""
 
-    def __init__(self, depth: int, tree: bool):
+    def __init__(self, depth: int, tree: bool, widths: int = 1):
         self.max_depth, self.tree = depth, tree
-        self.acc = [PRIOR[0]] * (depth + 1)       # index k: depth k (0 unused)
-        self.rej = [PRIOR[1]] * (depth + 1)
+        self.widths = 1 if tree else max(1, widths)
+        # [w][k]: at width w (1-based), depth k (index 0 unused)
+        self.acc = [[PRIOR[0]] * (depth + 1) for _ in range(self.widths + 1)]
+        self.rej = [[PRIOR[1]] * (depth + 1) for _ in range(self.widths + 1)]
         self.hit = 1.0                            # P(it proposes anything)
-        self.width = 1.0                          # rows per depth when it does (paths, nodes)
+        self.width = [float(w) for w in range(self.widths + 1)]   # [w]: rows per depth when
+        #                                           asked for w paths (a tree: nodes per depth)
         self.seconds = 0.0                        # propose + observe per step (path
         #                                           drafters: per depth drafted)
         self.timed = False
@@ -63,24 +72,37 @@ class _Track:
         self.gap = 0                              # steps it may stay out (set by the controller)
         self.probed = False                       # it drafts this step only as a probe
 
-    def chance(self, depth: int) -> list[float]:
-        """P(its k-th token is accepted) for k = 1..depth."""
+    def _w(self, share: int) -> int:
+        return max(1, min(share, self.widths))
+
+    def chance(self, depth: int, share: int = 1) -> list[float]:
+        """P(its k-th token is accepted) for k = 1..depth, asked for `share` paths."""
+        acc, rej = self.acc[self._w(share)], self.rej[self._w(share)]
         out, p = [], self.hit
         for k in range(1, min(depth, self.max_depth) + 1):
-            p *= self.acc[k] / (self.acc[k] + self.rej[k])
+            p *= acc[k] / (acc[k] + rej[k])
             out.append(p)
         return out
 
-    def score(self, paths: list[list[int]], emitted: list[int]) -> None:
-        m, longest = matched(paths, emitted)
+    def rows(self, share: int = 1) -> float:
+        """Tree rows per depth it adds when it proposes, asked for `share` paths."""
+        return self.width[self._w(share)]
+
+    def score(self, paths: list[list[int]], emitted: list[int], asked: int = 0) -> None:
+        """`paths` (best first) against the `emitted` tokens; `asked`: the paths it was asked
+        for (widths beyond it are not learnt from this step; 0: all)."""
         self.hit = DECAY * self.hit + (1 - DECAY) * (1.0 if paths else 0.0)
         if not paths:
             return
-        if not self.tree:
-            self.width = DECAY * self.width + (1 - DECAY) * len(paths)
-        for k in range(1, min(m + 1, longest, len(emitted), self.max_depth) + 1):
-            self.acc[k] = DECAY * self.acc[k] + (k <= m)
-            self.rej[k] = DECAY * self.rej[k] + (k > m)
+        top = self.widths if self.tree or not asked else min(self.widths, asked)
+        for w in range(1, top + 1):
+            m, longest = matched(paths if self.tree else paths[:w], emitted)
+            if not self.tree:
+                self.width[w] = DECAY * self.width[w] + (1 - DECAY) * min(w, len(paths))
+            acc, rej = self.acc[w], self.rej[w]
+            for k in range(1, min(m + 1, longest, len(emitted), self.max_depth) + 1):
+                acc[k] = DECAY * acc[k] + (k <= m)
+                rej[k] = DECAY * rej[k] + (k > m)
 
     def cost(self, depth: int) -> float:
         """Seconds a step at `depth` costs it (a model drafter runs one forward per depth)."""
@@ -93,12 +115,28 @@ class _Track:
         self.timed = True
 
 
-class DraftController:
-    """Per-request plans for `drafters` (path drafters up to `draft_len` deep; tree drafters,
-    with `tree_tokens` and `depth`, on or off) under `cost` (a `CostModel`)."""
+def shares(budget: int, chosen: list[int]) -> dict[int, int]:
+    """The path budget split over the chosen path drafters in order, as evenly as it goes
+    (what `Request._propose` asks each for)."""
+    out, left, k = {}, budget, len(chosen)
+    for i in chosen:
+        out[i] = -(-left // k)
+        left -= out[i]
+        k -= 1
+    return out
 
-    def __init__(self, drafters: list, draft_len: int, cost, probe: int = PROBE):
+
+class DraftController:
+    """Per-request plans for `drafters` (path drafters up to `draft_len` deep and sharing up
+    to `num_paths` paths; tree drafters, with `tree_tokens` and `depth`, on or off) under
+    `cost` (a `CostModel`)."""
+
+    def __init__(self, drafters: list, draft_len: int, cost, probe: int = PROBE,
+                 num_paths: int = 1):
         self.drafters, self.draft_len, self.cost, self.probe = drafters, draft_len, cost, probe
+        self.num_paths = max(1, num_paths)
+        self.budget = self.num_paths              # the path budget of the last plan
+        self.asked = [0] * len(drafters)          # paths each drafter was asked for (Request)
         # a new request starts from what the last one measured (acceptance, drafting cost,
         # probe gaps) instead of the prior: a server's requests are short and alike, and a
         # fresh prior would try every drafter (and prefill the draft) in each one
@@ -110,17 +148,19 @@ class DraftController:
         self.ctx = None                           # the last plan's batch context
         self.predicted = 0.0                      # the chosen plan's E[accepted]
         self.trace: list[list[int]] = []          # per step, each drafter's depth (0: off)
+        self.budgets: list[int] = []              # per step, the path budget (0: no path)
         self.off_steps = self.probe_steps = 0
         if self.warm_start and self.tracks:
             for t in self.tracks:
                 t.idle, t.probed = 0, False
             return
         self.tracks = [_Track(getattr(d, "depth", self.draft_len) if self._tree(d)
-                              else self.draft_len, self._tree(d)) for d in self.drafters]
+                              else self.draft_len, self._tree(d), self.num_paths)
+                       for d in self.drafters]
         for d, t in zip(self.drafters, self.tracks):
             t.gap = self.probe
             if t.tree:
-                t.width = d.tree_tokens / max(1, d.depth)
+                t.width[1] = d.tree_tokens / max(1, d.depth)
         self.kappa = 1.0
         self.cost.reset()
 
@@ -132,8 +172,10 @@ class DraftController:
         t = self.tracks[i]
         return t.timed and t.cost(self.draft_len) < CHEAP * self.cost.seconds(1)
 
-    def _value(self, depths: list[int], ctx=None) -> tuple[float, float, float]:
-        """(tokens per second, expected accepted, rows) of a plan (depth per drafter). `ctx`:
+    def _value(self, depths: list[int], ctx=None, share: dict | None = None
+               ) -> tuple[float, float, float]:
+        """(tokens per second, expected accepted, rows) of a plan (depth per drafter; `share`:
+        the paths each chosen path drafter is asked for, default 1). `ctx`:
         (tokens, rows, draft seconds) of the other requests in the same forward (None: alone),
         so the value is the whole step's: its tokens are weighed against the batch's, and a
         tree costs what it adds to the batch's forward: the larger of what its rows add to
@@ -144,9 +186,10 @@ class DraftController:
         rows, secs = 1.0, 0.0
         for i, (t, k) in enumerate(zip(self.tracks, depths)):
             if k:
-                for j, p in enumerate(t.chance(k)):
+                w = (share or {}).get(i, 1)
+                for j, p in enumerate(t.chance(k, w)):
                     none_left[j] *= 1 - p
-                rows += t.hit * t.width * min(k, t.max_depth)
+                rows += t.hit * t.rows(w) * min(k, t.max_depth)
                 secs += t.cost(k)
             elif self.cheap(i):
                 secs += t.cost(self.draft_len)    # shadowed: it drafts anyway
@@ -166,7 +209,7 @@ class DraftController:
         forced = [i for i, t in enumerate(self.tracks)
                   if not self.cheap(i) and t.idle >= t.gap]
         self.ctx = ctx
-        best_depths, best_e = self._best(forced, ctx)
+        best_depths, best_e, self.budget = self._best(forced, ctx)
         for i, t in enumerate(self.tracks):
             t.probed = i in forced
         self.predicted = best_e
@@ -175,35 +218,41 @@ class DraftController:
         if not any(best_depths):
             self.off_steps += 1
         self.trace.append(best_depths)
+        self.budgets.append(self.budget if any(d and not self.tracks[i].tree
+                                               for i, d in enumerate(best_depths)) else 0)
         return best_depths
 
-    def _best(self, forced: list[int], ctx=None) -> tuple[list[int], float]:
-        """The plan of highest value that includes every drafter in `forced`, and its
-        E[accepted]."""
+    def _best(self, forced: list[int], ctx=None) -> tuple[list[int], float, int]:
+        """The plan of highest value that includes every drafter in `forced`: its depths,
+        E[accepted] and path budget (how many paths the chosen path drafters share)."""
         n = len(self.drafters)
-        best, best_depths, best_e = -1.0, [0] * n, 0.0
+        best, best_depths, best_e, best_b = -1.0, [0] * n, 0.0, self.num_paths
         for r in range(0, n + 1):
             for chosen in combinations(range(n), r):
                 if any(i not in chosen for i in forced):
                     continue
+                on = [i for i in chosen if not self.tracks[i].tree]
+                budgets = range(max(1, len(on)), max(len(on), self.num_paths) + 1) if on \
+                    else [self.num_paths]
                 for k in range(1, self.draft_len + 1) if chosen else [0]:
                     depths = [(self.tracks[i].max_depth if self.tracks[i].tree else k)
                               if i in chosen else 0 for i in range(n)]
-                    v, e, _ = self._value(depths, ctx)
-                    if v > best:
-                        best, best_depths, best_e = v, depths, e
-                    if all(self.tracks[i].tree for i in chosen):
+                    for b in budgets:
+                        v, e, _ = self._value(depths, ctx, shares(b, on))
+                        if v > best:
+                            best, best_depths, best_e, best_b = v, depths, e, b
+                    if not on:
                         break                     # the depth loop changes nothing
-        return best_depths, best_e
+        return best_depths, best_e, best_b
 
     def update(self, depths: list[int], proposals: list[list[list[int]] | None],
                seconds: list[float], emitted: list[int], rows: int, verify_s: float) -> None:
         """After a step: each drafter's paths (None: it did not draft), its seconds, the emitted
         tokens (accepted + the target's next), the tree's rows and the verify step's seconds."""
-        for t, k, paths, s in zip(self.tracks, depths, proposals, seconds):
+        for t, k, paths, s, asked in zip(self.tracks, depths, proposals, seconds, self.asked):
             t.idle = 0 if k else t.idle + 1
             if paths is not None:
-                t.score(paths, emitted)
+                t.score(paths, emitted, asked)
                 t.time(s, paths)
         self.cost.observe(rows, verify_s)
         probed = [i for i, t in enumerate(self.tracks) if t.probed]
@@ -219,6 +268,6 @@ class DraftController:
 
     def stats(self, names: list[str]) -> dict:
         return {"off_steps": self.off_steps, "probe_steps": self.probe_steps,
-                "kappa": round(self.kappa, 3),
+                "kappa": round(self.kappa, 3), "path_budget": self.budgets,
                 "depth": {f"{i}:{nm}": [row[i] for row in self.trace]
                           for i, nm in enumerate(names)}}

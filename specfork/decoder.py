@@ -64,7 +64,8 @@ class SpecDecoder:
         if adaptive and self.num_paths:        # times the verify forward once per model
             self.controller = DraftController(
                 self.drafters, draft_len,
-                cost_model.for_model(model, self.kv, self.tree_budget + 1))
+                cost_model.for_model(model, self.kv, self.tree_budget + 1),
+                num_paths=self.num_paths)
         self.warm_start = False          # `serving`: adaptive drafting warm-starts requests
         # drafter sets free for the next request: the decoder's own first (`_acquire_drafters`)
         self._free_sets = [(self.drafters, self.controller)] if self.num_paths else []
@@ -152,7 +153,7 @@ class SpecDecoder:
             ctl = None
             if self.controller is not None:
                 ctl = DraftController(ds, self.draft_len, cost_model.CostModel(
-                    self.controller.cost.table))
+                    self.controller.cost.table), num_paths=self.num_paths)
         if ctl is not None:
             ctl.warm_start = self.warm_start
         cols = self._feature_cols(ds)

@@ -185,41 +185,52 @@ class Request:
 
     def _propose(self, context: list[int], sp: SamplingParams, depths: list[int]):
         """Paths for the verify tree, and per drafter what it proposed (None: it did not draft)
-        and the seconds it took. Path drafters with a depth share the path budget evenly (an
-        unused share moves on); a tree drafter proposes its own tree (its own node budget). A
+        and the seconds it took. Path drafters with a depth share the path budget (the
+        controller's, at most `num_paths`) evenly (an unused share moves on); a tree drafter proposes its own tree (its own node budget). A
         cheap drafter left out of the plan still drafts, to be scored in the shadow."""
         paths: list[DraftPath] = []
         props: list[list[list[int]] | None] = [None] * len(self.drafters)
         secs = [0.0] * len(self.drafters)
         ctl = self.controller
         path_idx = [i for i, d in enumerate(self.drafters) if not getattr(d, "tree_tokens", 0)]
-        left, k = self.num_paths, sum(1 for i in path_idx if depths[i])
+        budget = self.num_paths if ctl is None else min(self.num_paths, ctl.budget)
+        left, k = budget, sum(1 for i in path_idx if depths[i])
+        asked = [0] * len(self.drafters)
         for i, d in enumerate(self.drafters):
             tree = bool(getattr(d, "tree_tokens", 0))
             shadow = not depths[i] and ctl is not None and ctl.cheap(i)
             if not depths[i] and not shadow:
                 continue
+            # a cheap drafter drafts as wide and deep as allowed and is scored on all of it
+            # (the controller learns what a wider or deeper tree would have caught); the
+            # tree gets its planned share and depth
+            cheap = ctl is not None and ctl.cheap(i)
             if tree:
                 share, length = 0, 0
             elif shadow:
-                share, length = -(-self.num_paths // max(1, len(path_idx))), self.draft_len
+                share, length = 0, self.draft_len
             else:
-                share, length = -(-left // k), self.draft_len if ctl is None or ctl.cheap(i) \
+                share, length = -(-left // k), self.draft_len if ctl is None or cheap \
                     else depths[i]
                 k -= 1
+            ask = self.num_paths if cheap and (share or shadow) else share
+            asked[i] = ask
             t0 = time.perf_counter()
-            got = d.propose(context, share, length, sp) if (share or tree) else []
+            got = d.propose(context, ask, length, sp) if (ask or tree) else []
             secs[i] = time.perf_counter() - t0
             if not tree:
-                got = got[:share]
+                got = got[:ask]
             props[i] = [p.tokens for p in got]
             if depths[i]:
                 if not tree:
+                    got = got[:share]
                     left -= len(got)
                     if length > depths[i]:            # drafted deeper for its score only
                         got = [DraftPath(p.tokens[:depths[i]], None if p.q is None
                                          else p.q[:depths[i]], p.drafter, p.meta) for p in got]
                 paths += got
+        if ctl is not None:
+            ctl.asked = asked
         return paths, props, secs
 
     # -- commit ---------------------------------------------------------------------------------

@@ -134,6 +134,39 @@ def test_costly_drafter_is_cut_to_the_depth_that_pays():
     assert all(row == [1] for row in ctl.trace[-10:])
 
 
+def _run_paths(ctl, right: int, steps: int):
+    """Drive a controller of one cheap path drafter that proposes 3 paths (best first) each
+    step, of which only path `right` matches what the target emits."""
+    for _ in range(steps):
+        depths = ctl.plan()
+        ctl.asked = [3]                               # as Request asks a cheap drafter
+        paths = [[5 if j == right else 7] * ctl.draft_len for j in range(3)]
+        emitted = [5] * (depths[0] + 1)
+        rows = 1 + min(ctl.budget, 3) * depths[0]
+        ctl.update(depths, [paths], [0.0], emitted, rows, ctl.cost.seconds(rows))
+
+
+def test_path_budget_narrows_to_the_paths_that_pay():
+    """Rows cost 0.3 plain steps each: when only the first path is ever right the tree keeps
+    one path (full depth); when the second is, it keeps two; a cheap drafter is scored on all
+    three either way, so the controller knows what a wider tree would catch."""
+    ctl = DraftController([Scripted("ngram", None)], draft_len=4, cost=_cost(0.3),
+                          probe=10 ** 6, num_paths=3)
+    _run_paths(ctl, right=0, steps=40)
+    assert ctl.budgets[-10:] == [1] * 10 and [r[0] for r in ctl.trace[-10:]] == [4] * 10
+    ctl = DraftController([Scripted("ngram", None)], draft_len=4, cost=_cost(0.3),
+                          probe=10 ** 6, num_paths=3)
+    _run_paths(ctl, right=1, steps=40)
+    assert ctl.budgets[-10:] == [2] * 10 and ctl.stats(["ngram"])["path_budget"] == ctl.budgets
+
+
+def test_path_budget_stays_wide_where_rows_are_nearly_free():
+    ctl = DraftController([Scripted("ngram", None)], draft_len=4, cost=_cost(0.001),
+                          probe=10 ** 6, num_paths=3)
+    _run_paths(ctl, right=2, steps=40)
+    assert ctl.budgets[-10:] == [3] * 10
+
+
 def _greedy_ref(hf, prompt, n):
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
