@@ -28,6 +28,7 @@ so a drafter that never pays (a slow draft beside a fast low-bit target) costs e
 """
 from __future__ import annotations
 
+import copy
 from itertools import combinations
 
 PRIOR = (1.0, 1.0)               # Beta prior of each depth's acceptance (accepted, rejected)
@@ -164,6 +165,14 @@ class DraftController:
         self.kappa = 1.0
         self.cost.reset()
 
+    def inherit(self, other: "DraftController") -> None:
+        """Start from a copy of what `other` (a controller of the same drafter kinds) has
+        measured: acceptance, widths, drafting cost, kappa."""
+        self.tracks = copy.deepcopy(other.tracks)
+        self.kappa = other.kappa
+        for t in self.tracks:
+            t.idle, t.probed = 0, False
+
     @staticmethod
     def _tree(d) -> bool:
         return bool(getattr(d, "tree_tokens", 0))
@@ -206,8 +215,11 @@ class DraftController:
 
     def plan(self, ctx=None) -> list[int]:
         """This step's depth per drafter (0: not verified this step); `ctx` as `_value`."""
+        # a probe is forced only where the request has its step to itself: in a batch every
+        # request would wait on it (a cold model draft first reads the whole context)
+        alone = ctx is None or not ctx[1]
         forced = [i for i, t in enumerate(self.tracks)
-                  if not self.cheap(i) and t.idle >= t.gap]
+                  if alone and not self.cheap(i) and t.idle >= t.gap]
         self.ctx = ctx
         best_depths, best_e, self.budget = self._best(forced, ctx)
         for i, t in enumerate(self.tracks):

@@ -154,6 +154,8 @@ class SpecDecoder:
             if self.controller is not None:
                 ctl = DraftController(ds, self.draft_len, cost_model.CostModel(
                     self.controller.cost.table), num_paths=self.num_paths)
+                if self.warm_start:          # a new concurrent request starts from what the
+                    ctl.inherit(self.controller)   # first set measured, not from the prior
         if ctl is not None:
             ctl.warm_start = self.warm_start
         cols = self._feature_cols(ds)

@@ -134,6 +134,30 @@ def test_costly_drafter_is_cut_to_the_depth_that_pays():
     assert all(row == [1] for row in ctl.trace[-10:])
 
 
+def test_costly_drafter_is_probed_only_when_its_request_is_alone():
+    """A probe forced on a request that shares its step would make every request in the
+    batch wait on it (a cold model draft first reads the whole context)."""
+    ctl = DraftController([Scripted("m", None)], draft_len=4, cost=_cost(), probe=8)
+    _run(ctl, lambda d, p: [9, 9, 9], lambda i, k: [1] * k, steps=30, seconds=0.3)
+    t = ctl.tracks[0]
+    t.idle = t.gap                                    # its probe is due
+    assert ctl.plan(ctx=(5.0, 5, 0.0)) == [0] and not t.probed      # 5 other rows: not now
+    assert ctl.plan(ctx=(0.0, 0, 0.0))[0] > 0 and t.probed          # alone: probed
+
+
+def test_a_new_concurrent_request_inherits_what_was_measured():
+    first = DraftController([Scripted("m", None)], draft_len=4, cost=_cost(), probe=8)
+    _run(first, lambda d, p: [5] * (d[0] + 1), lambda i, k: [5] * k, steps=30, seconds=0.01)
+    second = DraftController([Scripted("m", None)], draft_len=4, cost=_cost(), probe=8)
+    assert second.tracks[0].chance(4) != first.tracks[0].chance(4)          # the prior
+    second.inherit(first)
+    second.warm_start = True
+    second.begin()
+    assert second.tracks[0].chance(4) == first.tracks[0].chance(4)
+    assert second.tracks[0] is not first.tracks[0] and second.kappa == first.kappa
+    assert second.tracks[0].seconds == first.tracks[0].seconds > 0
+
+
 def _run_paths(ctl, right: int, steps: int):
     """Drive a controller of one cheap path drafter that proposes 3 paths (best first) each
     step, of which only path `right` matches what the target emits."""

@@ -129,14 +129,16 @@ def test_decoder_refuses_oversized_drafting():
 
 def test_model_drafter_vocab_head_is_the_full_head_restricted():
     """With `vocab`, the draft proposes the argmax of its full logits over vocab + every token
-    of the context (the first generated one included); sampled q is 0 outside that set."""
+    of the context (the first generated one included); sampled q is 0 outside that set. The
+    head is built on the first propose, not at `begin` (a busy server's requests mostly never
+    draft with it)."""
     from specfork.types import SamplingParams
     hf = _tiny(1, 0.8)
     ctx = [1, 2, 1, 2]
     d = ModelDrafter(Model(hf), "draft", min_conf=0.0, vocab=[6, 0, 6])
     assert d.vocab.tolist() == [0, 6]                     # a repeated id is one row
-    d.begin(ctx)
-    assert sorted(d.head_ids.tolist()) == [0, 1, 2, 6]
+    d.begin(ctx)            # the head is built on the first propose (a request the
+    assert d.head is None and d.head_ids.tolist() == [0, 6]   # controller never drafts with
     outside = 0                                           # steps the cut head changes the pick
     for extra in ([], [7], [7, 3]):                       # 7: as if the target emitted it
         c = ctx + extra

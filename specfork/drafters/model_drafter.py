@@ -97,11 +97,10 @@ class ModelDrafter:
         self.end()
         self.C = self.kv.new_branch()
         self.skip = 0
-        if self.vocab is not None:
-            self.in_head = torch.zeros(self.model.vocab_size, dtype=torch.bool)
-            self.in_head[self.vocab] = True
-            self.head_ids = self.vocab
-            self._extend_head(prompt_ids)
+        if self.vocab is not None:            # the head itself is built on the first propose:
+            self.in_head = torch.zeros(self.model.vocab_size, dtype=torch.bool)  # a request
+            self.in_head[self.vocab] = True    # the controller never drafts with (a busy
+            self.head_ids = self.vocab         # server) never pays for it
 
     def end(self) -> None:
         self._drop_forks()
@@ -149,8 +148,8 @@ class ModelDrafter:
                 kv.truncate(self.C, len(context) - self.skip - 1)
                 n = self.C.length
             unread = context[n + self.skip:]
-        if self.in_head is not None:
-            self._extend_head(unread)               # tokens the draft has not read yet
+        if self.in_head is not None:           # tokens the draft has not read yet (first
+            self._extend_head(unread if self.head is not None else context)   # call: all)
         feed = torch.tensor(unread, device=dev)
         prefix = kv.slots(self.C)
         slots = kv.append(self.C, len(feed))
