@@ -106,6 +106,9 @@ def test_default_mix_of_the_embedded_target_uses_the_trained_draft(smol):
     assert d.vocab.tolist() == sorted(load_vocab(DRAFT_VOCAB).tolist())
     prompt = [12345, 40000, 49151]
     d.begin(prompt)
+    assert d.head is None                          # built on the first propose
+    from specfork.types import SamplingParams
+    d.propose(prompt, 1, 1, SamplingParams())
     assert d.head.w.shape == (len(d.head_ids), model.config.hidden_size)
     assert set(d.head_ids.tolist()) == set(d.vocab.tolist()) | set(prompt)
     d.end()
