@@ -141,7 +141,9 @@ def engine_weight_bytes(hf_models: list, models: list, drafter=None) -> int:
     n = weight_bytes(*hf_models) + sum(m.packed_bytes()
                                        for m in {id(m): m for m in models}.values())
     if drafter is not None and getattr(drafter, "vocab", None) is not None:
-        drafter.begin([0])                       # builds the head as a request would
+        from specfork.types import SamplingParams
+        drafter.begin([0])                       # a request builds the head on its first draft
+        drafter.propose([0], 1, 1, SamplingParams())
         n += drafter.head.w.nbytes + drafter.head.packed_bytes
         drafter.end()
     return n

@@ -118,3 +118,20 @@ def test_run_all_drops_a_failing_row_and_stops_at_the_deadline():
     res = rt.summarize(rows, prompts[:1])
     assert res[1]["error"] and res[1]["tokens_per_s"] is None
     assert rt.check(res) == ["'b' failed: RuntimeError: boom"]
+
+
+def test_engine_weight_bytes_counts_the_drafts_vocabulary_head():
+    """Our rows' weight bytes count the head a request's model draft builds (on its first
+    draft: 2 vocabulary rows + the context's) and leave the draft's pool empty."""
+    from specfork.drafters.model_drafter import ModelDrafter
+    from specfork.model import Model
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    m = Model(hf, pack=False)
+    d = ModelDrafter(m, "draft", vocab=[5, 9], max_kv_tokens=32)
+    rt = _load_script()
+    base = rt.engine_weight_bytes([hf], [m])
+    assert rt.engine_weight_bytes([hf], [m], d) == base + 3 * 32 * 4     # rows 0, 5, 9
+    assert d.pool.used_blocks == 0 and d.head is None
