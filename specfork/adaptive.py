@@ -16,8 +16,8 @@ A plan gives each drafter a depth (0: it does not draft this step). Its value:
 - The empty plan is plain decoding: one token for a one-row forward.
 - The path budget (how many paths the chosen path drafters share, 1 .. `num_paths`) is planned
   too, with acceptance kept per width (the best of a drafter's first w paths): where each row
-  costs a share of a decode step (fp32 on a 2-core CPU: 8 rows cost 1.5 steps) a second and
-  third path rarely earn their rows, and where rows are nearly free (a GPU, AMX bf16) they do.
+  costs a real share of a decode step (fp32 on a 2-core CPU) a second and third path rarely
+  earn their rows, and where rows are nearly free (a GPU, AMX bf16) they may.
 
 Drafters that cost next to nothing (n-gram lookup: `cheap`) draft every step even when they are
 not verified, and are scored against the tokens the target emitted ("shadow" scoring), so they

@@ -186,8 +186,9 @@ class Request:
     def _propose(self, context: list[int], sp: SamplingParams, depths: list[int]):
         """Paths for the verify tree, and per drafter what it proposed (None: it did not draft)
         and the seconds it took. Path drafters with a depth share the path budget (the
-        controller's, at most `num_paths`) evenly (an unused share moves on); a tree drafter proposes its own tree (its own node budget). A
-        cheap drafter left out of the plan still drafts, to be scored in the shadow."""
+        controller's, at most `num_paths`) evenly (an unused share moves on); a tree drafter
+        proposes its own tree (its own node budget). A cheap drafter left out of the plan still
+        drafts, to be scored in the shadow."""
         paths: list[DraftPath] = []
         props: list[list[list[int]] | None] = [None] * len(self.drafters)
         secs = [0.0] * len(self.drafters)
