@@ -31,7 +31,7 @@ CATEGORIES = [   # (category, substrings of the op name), first match wins
     ("matmul", ("_weight_int8pack_mm", "_weight_int4pack_mm", "_linear_pointwise", "aten::mm",
                 "aten::addmm", "aten::linear")),
     ("attention", ("aten::bmm", "aten::baddbmm", "softmax", "scaled_dot_product",
-                   "_flash_attention")),
+                   "_flash_attention", "specfork::slot_attention")),
     ("norms", ("rms_norm", "aten::pow", "aten::mean", "aten::rsqrt")),
     ("rope", ("aten::flip", "aten::addcmul")),
     ("kv write / gather", ("index_copy", "index_select")),

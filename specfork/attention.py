@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specfork.kernels import slot_attention as slot_op
 from specfork.kernels.dense_attention import causal_attention, decode_attention, masked_attention
 from specfork.kernels.tree_attention import (_flash_cpu, tree_attention, tree_attention_torch,
                                              tree_bias_of)
@@ -83,6 +84,8 @@ class AttnMeta:
     #                                           prefix's leading run, read as a view; `read`
     #                                           then holds only the slots after it
     bulk: bool = False                        # prompt rows only (a causal chain of > 1 token)
+    slots: tuple | None = None                # CPU decode / ROWS through the slot op: (idx,
+    #                                           offs), row r reads idx[offs[r]:offs[r+1]]
 
     @classmethod
     def prefill(cls, model, prefix: torch.Tensor, write: torch.Tensor) -> "AttnMeta":
@@ -122,6 +125,13 @@ class AttnMeta:
         exact = getattr(model, "rows_exact", False) and dev.type == "cpu"
         if exact and not causal and prefix_mask is None:
             path = ROWS
+        if path in (DECODE, ROWS) and uses_slot_op(model):
+            rows = [prefix] if path == DECODE else _tree_rows(prefix, tree_mask, write, write_src)
+            if rows is not None:
+                read = torch.cat((prefix, write)) if path == DECODE else prefix
+                return cls(path, L, *_to_device(dev, read, write, write_src),
+                           tree_mask=tree_mask, bulk=causal and T > 1,
+                           slots=_slot_lists(rows, write if path == DECODE else None))
         run = None
         if dev.type == "cpu" and path in (DECODE, CASCADE) and L >= RUN_MIN and not exact and (
                 path == DECODE or _flash_cpu is not None):
@@ -163,6 +173,8 @@ class AttnMeta:
         """One layer: q `[T, H, D]`, the new k/v `[T, KVH, D]` (already written), the layer's
         pool as slot arrays `[slots, KVH, D]` (or `StoredSlots` that decode what is read)
         -> `[T, H, D]`."""
+        if self.slots is not None and isinstance(k_slots, torch.Tensor):
+            return slot_op.slot_attention(q, k_slots, v_slots, *self.slots, scale)
         if self.run is not None:                  # CPU decode / cascade over a long prefix
             a, r = self.run
             kr, vr = k_slots[a:a + r], v_slots[a:a + r]                  # views, no copy
@@ -231,14 +243,78 @@ class BatchMeta:
         plain = all(m.write is not None and m.write_src is None and m.write.numel() == n
                     for m, n in zip(metas, sizes))
         self.write_src = None if plain or self.write is None else torch.cat(srcs)
+        # consecutive requests that go through the slot op share one call per layer (all of
+        # them in an all-decode batch); the others attend one by one on their own paths
+        self.groups, start = [], 0
+        for m, n in zip(metas, sizes):
+            last = self.groups[-1] if self.groups else None
+            if m.slots is not None and last is not None and last[2] is not None:
+                last[1] += n
+                last[2].append(m.slots)
+            else:
+                self.groups.append([start, n, [m.slots] if m.slots is not None else None, m])
+            start += n
+        for g in self.groups:
+            if g[2] is not None:
+                g[2] = _merge_slots(g[2])
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_slots, v_slots,
                scale: float) -> torch.Tensor:
-        outs, a = [], 0
-        for m, n in zip(self.metas, self.sizes):
-            outs.append(m.attend(q[a:a + n], k[a:a + n], v[a:a + n], k_slots, v_slots, scale))
-            a += n
+        outs = []
+        for a, n, slots, m in self.groups:
+            if slots is not None and isinstance(k_slots, torch.Tensor):
+                outs.append(slot_op.slot_attention(q[a:a + n], k_slots, v_slots, *slots, scale))
+            else:
+                outs.append(m.attend(q[a:a + n], k[a:a + n], v[a:a + n], k_slots, v_slots,
+                                     scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _merge_slots(parts: list) -> tuple:
+    """Several (idx, offs) slot lists as one, rows in order."""
+    if len(parts) == 1:
+        return parts[0]
+    base = torch.tensor([0] + [int(o[-1]) for _, o in parts[:-1]]).cumsum(0)
+    return (torch.cat([i for i, _ in parts]),
+            torch.cat([parts[0][1][:1]] + [o[1:] + b for (_, o), b in zip(parts, base)]))
+
+
+def uses_slot_op(model) -> bool:
+    """Decode steps and ROWS trees go through the compiled slot op (`kernels/slot_attention`):
+    float32 K/V in plain slots on a CPU whose vector path covers the head size."""
+    return (model.device.type == "cpu" and model.dtype == torch.float32
+            and getattr(model, "kv_codecs", None) is None
+            and slot_op.available(model.head_dim))
+
+
+def _tree_rows(prefix: torch.Tensor, tree_mask: torch.Tensor, write: torch.Tensor | None,
+               write_src: torch.Tensor | None) -> list | None:
+    """Per tree row, the slots it reads: the prefix, then the slots its ancestors and itself
+    are written to (a node written to several forks: its first). None without writes."""
+    if write is None:
+        return None
+    T = tree_mask.shape[0]
+    if write_src is None:
+        node_slot = write
+    else:
+        first: dict = {}
+        for j, t in enumerate(write_src.tolist()):
+            first.setdefault(t, j)
+        if len(first) < T:
+            return None
+        node_slot = write.cpu()[torch.tensor([first[t] for t in range(T)])]
+    node_slot = node_slot.cpu().long()
+    return [torch.cat((prefix.cpu().long(), node_slot[torch.nonzero(r).flatten()]))
+            for r in tree_mask.cpu()]
+
+
+def _slot_lists(rows: list, own: torch.Tensor | None) -> tuple:
+    """(idx, offs) int64 on the CPU: row r reads idx[offs[r]:offs[r+1]]; `own` (decode) is
+    the new token's slot, read last."""
+    if own is not None:
+        rows = [torch.cat((rows[0].cpu().long(), own.cpu().long()))]
+    offs = torch.tensor([0] + [r.numel() for r in rows]).cumsum(0)
+    return torch.cat(rows), offs
 
 
 def _kernel_layout(codec, q: torch.Tensor):

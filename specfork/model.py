@@ -18,7 +18,7 @@ from specfork.attention import AttnMeta
 from specfork.errors import SpecforkError
 from specfork.kv_quant import StoredSlots, layer_codecs
 from specfork.kv_tree import BlockPool
-from specfork.weights import HEAD_FORMAT, QuantLinear, resolve
+from specfork.weights import HEAD_FORMAT, QuantLinear, resolve, row_blocks
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 
@@ -46,28 +46,14 @@ class Linear:
         return self.packed is not None and self.min_rows <= rows and (
             exact or rows <= (MAX_PROMPT_ROWS if bulk else MAX_PACKED_ROWS))
 
-    def _blocks(self, x: torch.Tensor, fn, res: torch.Tensor | None = None) -> torch.Tensor:
-        """`fn` over x's rows in calls of exactly EXACT_ROWS rows (the last padded with
-        zeros): the packed kernel gives a row the same bits wherever it sits in such a call,
-        but not across calls of other sizes, so a verify tree's row then equals the decode
-        step's one-row product bit for bit."""
-        T, B = x.shape[0], EXACT_ROWS
-        pad = -T % B
-        if pad:
-            x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
-            res = None if res is None else torch.cat((res, res.new_zeros(pad, res.shape[1])))
-        outs = [fn(x[i:i + B]) if res is None else fn(x[i:i + B], res[i:i + B])
-                for i in range(0, T + pad, B)]
-        return (outs[0] if len(outs) == 1 else torch.cat(outs))[:T]
-
     def __call__(self, x: torch.Tensor, bulk: bool = False) -> torch.Tensor:
         """`bulk`: rows of prompts only (no decode or tree row), which need not be computed
         as a one-row step would: one GEMM call for all, row-invariant or not."""
         exact = self.exact and not bulk
         if self._packed_for(x.shape[0], exact, bulk):
             if exact:
-                return self._blocks(x, lambda a: torch.ops.mkldnn._linear_pointwise(
-                    a, self.packed, self.b, "none", [], ""))
+                return row_blocks(lambda a: torch.ops.mkldnn._linear_pointwise(
+                    a, self.packed, self.b, "none", [], ""), x)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
         return F.linear(x, self.w, self.b)
 
@@ -82,8 +68,8 @@ class Linear:
         exact = self.exact and not bulk
         if self._packed_for(a.shape[0], exact, bulk):
             if exact:
-                return self._blocks(a, lambda ai, xi: torch.ops.mkldnn._linear_pointwise.binary(
-                    ai, xi, self.packed, self.b, "add"), x)
+                return row_blocks(lambda ai, xi: torch.ops.mkldnn._linear_pointwise.binary(
+                    ai, xi, self.packed, self.b, "add"), a, x)
             return torch.ops.mkldnn._linear_pointwise.binary(a, x, self.packed, self.b, "add")
         if self.b is not None:
             return x + F.linear(a, self.w, self.b)
@@ -98,7 +84,6 @@ PACK_ROWS = 8              # oneDNN's layout hint: the row count the packing is 
 # 1e-4. Under `exact`, any row count runs packed, in EXACT_ROWS-row calls.
 MAX_PACKED_ROWS = 256
 MAX_PROMPT_ROWS = 32
-EXACT_ROWS = 8             # rows per packed call when products must not depend on the row count
 _PACKED_FROM: dict = {}    # (shapes, dtype, threads) -> packed_from_rows' answer, per process
 
 
@@ -236,7 +221,7 @@ class Model:
         # bit for bit as a decode step at its position would compute it, or greedy speculation
         # drifts from plain decoding at near-ties. Its attention then reads row by row
         # (specfork/attention.py), and every matmul with a decode or tree row in it (a batch of
-        # requests too) runs packed in calls of exactly EXACT_ROWS rows (`Linear._blocks`),
+        # requests too) runs packed in calls of exactly EXACT_ROWS rows (`weights.row_blocks`),
         # whatever the row count; prompt-only forwards (`bulk`) need not.
         self.rows_exact = low or self.kv_codecs is not None
         if low:

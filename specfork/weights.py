@@ -31,6 +31,25 @@ GROUP = 32                     # int4: inputs per scale/offset group (GGUF Q4_0/
 HEAD_FORMAT = {"bfloat16": "bfloat16", "int8": "int8", "int4": "int8"}
 
 
+EXACT_ROWS = 8      # rows per call where a row's product must not depend on the row count
+
+
+def row_blocks(fn, x: torch.Tensor, res: torch.Tensor | None = None) -> torch.Tensor:
+    """`fn` over x's rows (and `res`'s, a second operand row-aligned with x) in calls of
+    exactly EXACT_ROWS rows, the last padded with zeros: a oneDNN kernel gives a row the same
+    bits wherever it sits in such a call, but not across calls of other sizes (bf16 on an AMD
+    EPYC: the 1536-input product from 21 rows on), so a verify tree's row then equals the
+    decode step's one-row product bit for bit."""
+    T, B = x.shape[0], EXACT_ROWS
+    pad = -T % B
+    if pad:
+        x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+        res = None if res is None else torch.cat((res, res.new_zeros(pad, res.shape[1])))
+    outs = [fn(x[i:i + B]) if res is None else fn(x[i:i + B], res[i:i + B])
+            for i in range(0, T + pad, B)]
+    return (outs[0] if len(outs) == 1 else torch.cat(outs))[:T]
+
+
 class QuantLinear:
     """y = x @ w.T + b with `w` held in a low-bit format; x and y in the caller's dtype."""
     __slots__ = ("fmt", "w", "s", "b", "packed", "out_features")
@@ -61,12 +80,18 @@ class QuantLinear:
             raise SpecforkError(f"unknown weight format {fmt!r}")
 
     def __call__(self, x: torch.Tensor, bulk: bool = False) -> torch.Tensor:
-        """`bulk` (prompt rows only) changes nothing: these kernels give a row the same bits
-        in any call."""
+        """The int8/int4 kernels give a row the same bits in any call; the packed bf16 one
+        only within calls of one size, so rows other than prompt rows (`bulk`) go through it
+        in EXACT_ROWS-row calls."""
         xb = x.to(torch.bfloat16)
         if self.fmt == "bfloat16":
-            y = (torch.ops.mkldnn._linear_pointwise(xb, self.packed, None, "none", [], "")
-                 if self.packed is not None else F.linear(xb, self.w))
+            if self.packed is None:
+                y = F.linear(xb, self.w)
+            else:
+                def mm(a):
+                    return torch.ops.mkldnn._linear_pointwise(a, self.packed, None, "none", [],
+                                                              "")
+                y = mm(xb) if bulk else row_blocks(mm, xb)
         elif self.fmt == "int8":
             y = torch.ops.aten._weight_int8pack_mm(xb, self.w, self.s)
         else:

@@ -315,9 +315,11 @@ def test_causal_attention_matches_cascade(T, kvh, group):
 def test_prefix_run_read_in_place_equals_gathered(monkeypatch):
     """CPU decode and cascade read the prefix's leading run of consecutive slots as a view of
     the pool and gather only the rest: the same output as gathering it all, whether the rest
-    is empty or scattered, for one token and for trees past the two-bmm size."""
+    is empty or scattered, for one token and for trees past the two-bmm size. (The torch
+    path: where the compiled slot op runs, a decode step reads its slots in place anyway.)"""
     import specfork.attention as sa
     from specfork.attention import AttnMeta, leading_run
+    monkeypatch.setattr(sa, "uses_slot_op", lambda model: False)
     assert leading_run(torch.tensor([4, 5, 6, 9, 10])) == 3
     assert leading_run(torch.tensor([7])) == 1 and leading_run(torch.tensor([3, 2])) == 1
     model = _tiny_model()
@@ -347,22 +349,29 @@ def test_prefix_run_read_in_place_equals_gathered(monkeypatch):
         monkeypatch.setattr(sa, "RUN_MIN", 64)
 
 
-def test_long_prompt_decodes_from_its_run_exactly(monkeypatch):
+@pytest.mark.parametrize("slot_op", [False, True])
+def test_long_prompt_decodes_from_its_run_exactly(monkeypatch, slot_op):
     """A 100-token prompt lands in one run of slots (the pool hands large allocations out in
     order, also after earlier requests freed theirs); plain and speculative decoding read it in
-    place and equal HF greedy, twice in a row."""
+    place and equal HF greedy, twice in a row: through the torch path (a view of the run) and
+    through the compiled slot op (every slot where it lies)."""
+    import specfork.attention as sa
     from specfork.attention import AttnMeta
     from specfork.decoder import SpecDecoder
     from specfork.drafters.ngram import NgramDrafter
     model = _tiny_model()
+    if not slot_op:
+        monkeypatch.setattr(sa, "uses_slot_op", lambda model: False)
+    elif not sa.uses_slot_op(model):
+        pytest.skip("the slot op is not built on this machine")
     prompt = ([5, 6, 7, 8, 9, 11, 3] * 15)[:100]
     with torch.no_grad():
         ref = model.hf.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20,
                                 do_sample=False, pad_token_id=0)[0, 100:].tolist()
     runs = []
     attend = AttnMeta.attend
-    monkeypatch.setattr(AttnMeta, "attend", lambda self, *a: runs.append((self.path, self.run))
-                        or attend(self, *a))
+    monkeypatch.setattr(AttnMeta, "attend", lambda self, *a: runs.append(
+        (self.path, self.slots if slot_op else self.run)) or attend(self, *a))
     for dec in (SpecDecoder(model, None, eos_token_ids=[], max_kv_tokens=128),
                 SpecDecoder(model, None, [NgramDrafter()], num_paths=2, draft_len=3,
                             eos_token_ids=[], max_kv_tokens=128)):
@@ -371,7 +380,12 @@ def test_long_prompt_decodes_from_its_run_exactly(monkeypatch):
             out = dec.generate(prompt, max_new_tokens=20)
             assert out.token_ids == ref and out.stats["kv_blocks_leaked"] == 0
             decode = [r for path, r in runs if path == "decode"]      # trees here: two bmm's
-            assert decode and all(r is not None and r[0] == 0 and r[1] >= 100 for r in decode)
+            if slot_op:                    # (slots, offsets): the prompt's and its own
+                assert decode and all(r[1].tolist() == [0, r[0].numel()] and
+                                      r[0][:100].tolist() == list(range(100)) for r in decode)
+            else:
+                assert decode and all(r is not None and r[0] == 0 and r[1] >= 100
+                                      for r in decode)
 
 
 @pytest.mark.parametrize("fmt", ["turbo3.5", "float16"])

@@ -1,0 +1,198 @@
+// Attention of query rows over K/V read straight from KV-tree slots (CPU, float32).
+//
+// Row r of `q [R, H, D]` attends over the slots idx[offs[r] : offs[r+1]] of one layer's pool
+// `k, v [S, KVH, D]`, in that order. One call covers a decode step, every row of a verify
+// tree (each over its prefix and its own ancestors) and a whole batch of requests: no gather
+// copies, no padding, and a row's result depends only on its own query and slot list, never on
+// which other rows share the call, so a request computes the same bits batched or alone and a
+// tree row the same bits as the decode step at its position.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// exp(x) for x <= 0 (scores minus their max): 2^n * p(r), r = x - n ln2, |r| <= ln2/2,
+// degree-6 Taylor polynomial (relative error < 2e-7, about one float ulp).
+static inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));        // below: the result is 0 anyway
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// s[j] = scale * q . k_j for the G query heads sharing one kv head; D a multiple of 16.
+static void scores(const float* q, int G, int64_t qstride, const float* k, int64_t kstride,
+                   const int64_t* ix, int64_t n, int D, float scale, float* s) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kr = k + ix[j] * kstride;
+    for (int g = 0; g < G; ++g) {
+      const float* qg = q + g * qstride;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(kr));
+      for (int d = 16; d < D; d += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), _mm512_loadu_ps(kr + d), acc);
+      s[g * n + j] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+}
+
+// s <- exp(s - max s), returns the sum (in 16 lanes, then across them).
+static float softmax_unnormed(float* s, int64_t n) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
+  float m = _mm512_reduce_max_ps(mx);
+  for (; j < n; ++j) m = std::max(m, s[j]);
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (j = 0; j + 16 <= n; j += 16) {
+    __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+    _mm512_storeu_ps(s + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (j < n) {
+    const __mmask16 tail = (__mmask16)((1u << (n - j)) - 1);
+    __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), mv));
+    _mm512_mask_storeu_ps(s + j, tail, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// out[g] = sum_j p[g][j] v_j / z[g], D a multiple of 16 and at most 256.
+static void weighted_values(const float* p, const float* z, int G, const float* v,
+                            int64_t vstride, const int64_t* ix, int64_t n, int D, float* out,
+                            int64_t ostride) {
+  for (int g = 0; g < G; ++g) {
+    __m512 acc[16];
+    const int nv = D / 16;
+    for (int c = 0; c < nv; ++c) acc[c] = _mm512_setzero_ps();
+    const float* pg = p + g * n;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vr = v + ix[j] * vstride;
+      const __m512 w = _mm512_set1_ps(pg[j]);
+      for (int c = 0; c < nv; ++c)
+        acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16 * c), acc[c]);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / z[g]);
+    for (int c = 0; c < nv; ++c)
+      _mm512_storeu_ps(out + g * ostride + 16 * c, _mm512_mul_ps(acc[c], inv));
+  }
+}
+#endif
+
+// The same three steps without vector instructions (other CPUs, other head sizes).
+static void scores_ref(const float* q, int G, int64_t qstride, const float* k, int64_t kstride,
+                       const int64_t* ix, int64_t n, int D, float scale, float* s) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int g = 0; g < G; ++g) {
+      float acc = 0.f;
+      for (int d = 0; d < D; ++d) acc += q[g * qstride + d] * k[ix[j] * kstride + d];
+      s[g * n + j] = acc * scale;
+    }
+}
+
+static float softmax_ref(float* s, int64_t n) {
+  float m = -INFINITY, sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+  for (int64_t j = 0; j < n; ++j) sum += (s[j] = std::exp(s[j] - m));
+  return sum;
+}
+
+static void weighted_ref(const float* p, const float* z, int G, const float* v,
+                         int64_t vstride, const int64_t* ix, int64_t n, int D, float* out,
+                         int64_t ostride) {
+  for (int g = 0; g < G; ++g) {
+    for (int d = 0; d < D; ++d) out[g * ostride + d] = 0.f;
+    for (int64_t j = 0; j < n; ++j)
+      for (int d = 0; d < D; ++d) out[g * ostride + d] += p[g * n + j] * v[ix[j] * vstride + d];
+    for (int d = 0; d < D; ++d) out[g * ostride + d] /= z[g];
+  }
+}
+
+at::Tensor slot_attention(at::Tensor q, const at::Tensor& k, const at::Tensor& v, at::Tensor idx,
+                          at::Tensor offs, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q [R,H,D], k/v [S,KVH,D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+              v.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "contiguous pools");
+  TORCH_CHECK(idx.scalar_type() == at::kLong && offs.scalar_type() == at::kLong, "int64 slots");
+  q = q.contiguous();
+  idx = idx.contiguous();
+  offs = offs.contiguous();
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
+  TORCH_CHECK(k.size(2) == D && H % KVH == 0 && offs.numel() == R + 1, "shapes");
+  const int G = (int)(H / KVH);
+  TORCH_CHECK(G <= 64, "at most 64 query heads per kv head");
+  auto out = at::empty_like(q);
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const int64_t *ip = idx.data_ptr<int64_t>(), *op = offs.data_ptr<int64_t>();
+  float* outp = out.data_ptr<float>();
+  const int64_t kstride = KVH * D;
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(op[r + 1] > op[r] && op[r] >= 0 && op[r + 1] <= idx.numel(),
+                "each row reads at least one slot, within idx");
+#if defined(__AVX512F__)
+  const bool vec = D % 16 == 0 && D <= 256;
+#else
+  const bool vec = false;
+#endif
+  at::parallel_for(0, R * KVH, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> s;
+    for (int64_t it = a; it < b; ++it) {
+      const int64_t r = it / KVH, h = it % KVH;
+      const int64_t n = op[r + 1] - op[r];
+      const int64_t* ix = ip + op[r];
+      const float* qr = qp + (r * H + h * G) * D;
+      float* orow = outp + (r * H + h * G) * D;
+      const float* kh = kp + h * D;
+      const float* vh = vp + h * D;
+      s.resize((size_t)(G * n));
+      float z[64];
+      if (vec) {
+#if defined(__AVX512F__)
+        scores(qr, G, D, kh, kstride, ix, n, (int)D, (float)scale, s.data());
+        for (int g = 0; g < G; ++g) z[g] = softmax_unnormed(s.data() + g * n, n);
+        weighted_values(s.data(), z, G, vh, kstride, ix, n, (int)D, orow, D);
+#endif
+      } else {
+        scores_ref(qr, G, D, kh, kstride, ix, n, (int)D, (float)scale, s.data());
+        for (int g = 0; g < G; ++g) z[g] = softmax_ref(s.data() + g * n, n);
+        weighted_ref(s.data(), z, G, vh, kstride, ix, n, (int)D, orow, D);
+      }
+    }
+  });
+  return out;
+}
+
+// The widest head size the vector path takes (0: this build has no vector path).
+int64_t vector_head_dim() {
+#if defined(__AVX512F__)
+  return 256;
+#else
+  return 0;
+#endif
+}
+
+// Registered as torch.ops.specfork.*: dispatched (and profiled) as any other op.
+TORCH_LIBRARY(specfork, m) {
+  m.def("slot_attention(Tensor q, Tensor k, Tensor v, Tensor idx, Tensor offs, float scale) "
+        "-> Tensor");
+  m.def("vector_head_dim", &vector_head_dim);
+}
+
+TORCH_LIBRARY_IMPL(specfork, CPU, m) { m.impl("slot_attention", &slot_attention); }

@@ -1,0 +1,91 @@
+"""The compiled CPU slot-attention op (specfork/kernels/slot_attention.cpp): each row over its
+own slots equals torch's softmax attention over the gathered K/V, a row's bits do not depend on
+what else shares the call, and the engine runs a batch of decoding requests through one call
+per layer with the tokens each request emits alone."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from conftest import tiny_model
+from specfork.kernels import slot_attention as op
+
+pytestmark = pytest.mark.skipif(not op.available(), reason="no C++ toolchain for the slot op")
+
+
+@st.composite
+def _case(draw):
+    kvh, g = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    d = draw(st.sampled_from([16, 32, 64, 128, 24]))      # 24: the scalar fallback
+    lens = draw(st.lists(st.integers(1, 90), min_size=1, max_size=5))
+    return kvh, g, d, lens, draw(st.integers(0, 2 ** 16))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_case())
+def test_rows_equal_torch_attention_and_each_alone(case):
+    kvh, g, d, lens, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    S = 200
+    k, v = torch.randn(S, kvh, d, generator=gen), torch.randn(S, kvh, d, generator=gen)
+    q = torch.randn(len(lens), kvh * g, d, generator=gen) * 3      # peaked softmaxes too
+    lists = [torch.randint(0, S, (n,), generator=gen) for n in lens]
+    idx, offs = torch.cat(lists), torch.tensor([0] + lens).cumsum(0)
+    out = op.slot_attention(q, k, v, idx, offs, d ** -0.5)
+    torch.testing.assert_close(out, op.slot_attention_ref(q, k, v, idx, offs, d ** -0.5),
+                               atol=2e-5, rtol=2e-5)
+    for r, ix in enumerate(lists):
+        alone = op.slot_attention(q[r:r + 1], k, v, ix, torch.tensor([0, ix.numel()]),
+                                  d ** -0.5)
+        assert torch.equal(alone[0], out[r])
+
+
+def test_bad_calls_are_errors_not_crashes():
+    k = v = torch.zeros(4, 1, 16)
+    q = torch.zeros(2, 1, 16)
+    with pytest.raises(RuntimeError, match="at least one slot"):
+        op.slot_attention(q, k, v, torch.tensor([0]), torch.tensor([0, 1, 1]), 1.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        op.slot_attention(q.double(), k.double(), v.double(), torch.tensor([0, 1]),
+                          torch.tensor([0, 1, 2]), 1.0)
+
+
+def test_batch_of_decoding_requests_takes_one_call_per_layer(monkeypatch):
+    """Four requests decoding together: every decode step's attention is one op call per
+    layer for the whole batch, and each request emits what it emits alone."""
+    from specfork.decoder import SpecDecoder
+    m = tiny_model()
+    assert op.available(m.head_dim)
+    dec = SpecDecoder(m, None, eos_token_ids=[], max_kv_tokens=512)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 96, (9 + 4 * i,), generator=g).tolist() for i in range(4)]
+    alone = [dec.generate(p, max_new_tokens=16).token_ids for p in prompts]
+    rows = []
+    call = op.slot_attention
+    monkeypatch.setattr(op, "slot_attention", lambda q, *a: rows.append(q.shape[0])
+                        or call(q, *a))
+    reqs = [dec.request(p, 16)[0] for p in prompts]
+    dec.engine.run(reqs)
+    assert [r.out for r in reqs] == alone
+    assert rows.count(4) >= 2 * 10          # >= 10 steps with all four rows, 2 layers each
+    assert dec.pool.used_blocks == 0
+
+
+def test_switched_off_by_the_environment():
+    """SPECFORK_SLOT_ATTENTION=0 keeps the torch paths (and decoding still works)."""
+    code = ("from specfork.kernels import slot_attention as op\n"
+            "from conftest import tiny_model\n"
+            "from specfork.decoder import SpecDecoder\n"
+            "assert not op.available()\n"
+            "d = SpecDecoder(tiny_model(), None, eos_token_ids=[], max_kv_tokens=64)\n"
+            "print(len(d.generate([1, 2, 3], max_new_tokens=5).token_ids))\n")
+    env = dict(os.environ, SPECFORK_SLOT_ATTENTION="0",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__),
+                                           os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "5"
