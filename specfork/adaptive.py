@@ -37,6 +37,7 @@ PROBE = 8                        # steps a costly drafter may stay out before it
 PROBE_MAX = 128                  # the longest wait, after probes that did not pay
 KAPPA = (0.1, 2.0)               # bounds of the realised / predicted acceptance correction
 CHEAP = 0.02                     # drafting under this share of a plain step: always shadowed
+READ_MIN = 16                    # a drafter's catch-up read this long is costed on its own
 
 
 def matched(paths: list[list[int]], emitted: list[int]) -> tuple[int, int]:
@@ -72,6 +73,16 @@ class _Track:
         self.idle = 0                             # steps since it last drafted verified
         self.gap = 0                              # steps it may stay out (set by the controller)
         self.probed = False                       # it drafts this step only as a probe
+        self.read_rate = 0.0                      # seconds per token of a long catch-up read
+        self.read_timed = False
+
+    def read_cost(self, tokens: int) -> float | None:
+        """Seconds its catch-up read of `tokens` costs before it drafts (a model draft that
+        has not seen the prompt, or has sat out some steps; short reads are part of a step's
+        cost); None while no long read has been timed."""
+        if tokens < READ_MIN:
+            return 0.0
+        return tokens * self.read_rate if self.read_timed else None
 
     def _w(self, share: int) -> int:
         return max(1, min(share, self.widths))
@@ -138,6 +149,8 @@ class DraftController:
         self.num_paths = max(1, num_paths)
         self.budget = self.num_paths              # the path budget of the last plan
         self.asked = [0] * len(drafters)          # paths each drafter was asked for (Request)
+        self.lags = [0] * len(drafters)           # tokens each must read first (Request)
+        self.left = 0                             # tokens the request may still emit
         # a new request starts from what the last one measured (acceptance, drafting cost,
         # probe gaps) instead of the prior: a server's requests are short and alike, and a
         # fresh prior would try every drafter (and prefill the draft) in each one
@@ -177,6 +190,17 @@ class DraftController:
     def _tree(d) -> bool:
         return bool(getattr(d, "tree_tokens", 0))
 
+    def read(self, i: int, tokens: int, seconds: float) -> bool:
+        """Drafter i's catch-up read took `seconds` for `tokens`: learn its rate (True: long
+        enough to be costed apart from the step's drafting)."""
+        if tokens < READ_MIN:
+            return False
+        t = self.tracks[i]
+        rate = seconds / tokens
+        t.read_rate = rate if not t.read_timed else DECAY * t.read_rate + (1 - DECAY) * rate
+        t.read_timed = True
+        return True
+
     def cheap(self, i: int) -> bool:
         t = self.tracks[i]
         return t.timed and t.cost(self.draft_len) < CHEAP * self.cost.seconds(1)
@@ -192,7 +216,7 @@ class DraftController:
         and bookkeeping, which do not shrink in a batch)."""
         ctx_tokens, ctx_rows, ctx_secs = ctx or (0, 0, 0.0)
         none_left = [1.0] * (self.draft_len + max((t.max_depth for t in self.tracks), default=0))
-        rows, secs = 1.0, 0.0
+        rows, secs, reads = 1.0, 0.0, 0.0
         for i, (t, k) in enumerate(zip(self.tracks, depths)):
             if k:
                 w = (share or {}).get(i, 1)
@@ -200,9 +224,21 @@ class DraftController:
                     none_left[j] *= 1 - p
                 rows += t.hit * t.rows(w) * min(k, t.max_depth)
                 secs += t.cost(k)
+                r = t.read_cost(self.lags[i])
+                if r is None and ctx is not None and ctx[1]:
+                    return 0.0, 0.0, rows    # an untimed read would stall the whole batch
+                reads += r or 0.0
             elif self.cheap(i):
                 secs += t.cost(self.draft_len)    # shadowed: it drafts anyway
         expected = sum(1 - x for x in none_left)
+        # A catch-up read is paid once and then serves the request's later steps: alone, it
+        # is spread over the steps left at this plan's pace (untimed: taken as free, as every
+        # cost before its first measurement); in a batch every request waits on it now, and
+        # the drafter rarely drafts on (it falls behind again), so it counts whole, and a
+        # read of unknown cost is not risked
+        if reads:
+            secs += reads if ctx is not None and ctx[1] else \
+                reads / max(1.0, self.left / (1 + self.kappa * expected))
         c = self.cost
         if ctx is None:
             verify = c.seconds(rows)

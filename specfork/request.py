@@ -179,6 +179,10 @@ class Request:
         """Paths for the verify tree (see `_propose`), planned by the controller under the batch
         context `ctx` (what the step's other rows cost and yield)."""
         ctl = self.controller
+        if ctl is not None:     # what each drafter must read before drafting, tokens to go
+            ctl.lags = [d.unread(self.tokens) if hasattr(d, "unread") else 0
+                        for d in self.drafters]
+            ctl.left = self.max_new - len(self.out)
         depths = (ctl.plan(ctx) if ctl is not None else [self.draft_len] * len(self.drafters))
         paths, props, secs = self._propose(self.tokens, self.sp, depths)
         return paths, props, secs, depths
@@ -219,6 +223,9 @@ class Request:
             t0 = time.perf_counter()
             got = d.propose(context, ask, length, sp) if (ask or tree) else []
             secs[i] = time.perf_counter() - t0
+            read = getattr(d, "last_read", None) if (ask or tree) else None
+            if ctl is not None and read is not None and ctl.read(i, *read):
+                secs[i] -= read[1]            # a long catch-up read is costed on its own
             if not tree:
                 got = got[:ask]
             props[i] = [p.tokens for p in got]

@@ -145,6 +145,28 @@ def test_costly_drafter_is_probed_only_when_its_request_is_alone():
     assert ctl.plan(ctx=(0.0, 0, 0.0))[0] > 0 and t.probed          # alone: probed
 
 
+def test_a_drafters_catch_up_read_is_costed():
+    """A model draft that must first read a long context (a prompt it never saw, or the
+    tokens since it last drafted) is not planned where every request of a batch would wait on
+    that read, and alone the read is spread over the tokens the request has left."""
+    ctl = DraftController([Scripted("m", None)], draft_len=4, cost=_cost(), probe=8)
+    _run(ctl, lambda d, p: [5] * (d[0] + 1), lambda i, k: [5] * k, steps=30, seconds=0.01)
+    busy = (5.0, 5, 0.0)                              # 5 other rows share the step
+    ctl.lags, ctl.left = [2], 100
+    assert ctl.plan(ctx=busy)[0] > 0                  # a short read: part of drafting
+    ctl.lags = [300]
+    assert ctl.plan(ctx=busy) == [0]                  # its read's cost unknown: not risked
+    assert ctl.plan()[0] > 0                          # alone: tried (and then timed)
+    assert ctl.read(0, 300, 3.0) and not ctl.read(0, 3, 1.0)     # 10 ms a token
+    assert ctl.plan(ctx=busy) == [0]                  # 3 s against 5 rows' 1.5 s step
+    assert ctl.plan()[0] > 0                          # alone: 3 s over ~20 steps left
+    ctl.left, ctl.lags = 2, [1000]
+    assert ctl.plan() == [0]                          # 10 s over the last 2 tokens: no
+    ctl.lags = [20]
+    ctl.tracks[0].read_rate = 1e-4                    # a fast reader: worth it in the batch
+    assert ctl.plan(ctx=busy)[0] > 0
+
+
 def test_a_new_concurrent_request_inherits_what_was_measured():
     first = DraftController([Scripted("m", None)], draft_len=4, cost=_cost(), probe=8)
     _run(first, lambda d, p: [5] * (d[0] + 1), lambda i, k: [5] * k, steps=30, seconds=0.01)

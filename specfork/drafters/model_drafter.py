@@ -14,6 +14,8 @@ proposal for lossless speculative sampling.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from specfork.types import DraftPath, SamplingParams
@@ -97,6 +99,7 @@ class ModelDrafter:
         self.end()
         self.C = self.kv.new_branch()
         self.skip = 0
+        self.last_read = (0, 0.0)            # the last propose's read: (tokens, seconds)
         if self.vocab is not None:            # the head itself is built on the first propose:
             self.in_head = torch.zeros(self.model.vocab_size, dtype=torch.bool)  # a request
             self.in_head[self.vocab] = True    # the controller never drafts with (a busy
@@ -129,6 +132,14 @@ class ModelDrafter:
             self.kv.truncate(best, n + best_j)
             self.kv.adopt(self.C, best)
 
+    def unread(self, context: list[int]) -> int:
+        """Tokens of `context` the next `propose` reads before it drafts (all of a long prompt
+        it has never seen: its first SINK and last WINDOW; after a gap, what came since)."""
+        n = self.C.length if self.C is not None else 0
+        if n == 0:
+            return min(len(context), SINK + WINDOW)
+        return max(0, len(context) - n - self.skip)
+
     @torch.inference_mode()
     def propose(self, context: list[int], num_paths: int, max_len: int,
                 sp: SamplingParams) -> list[DraftPath]:
@@ -148,6 +159,7 @@ class ModelDrafter:
                 kv.truncate(self.C, len(context) - self.skip - 1)
                 n = self.C.length
             unread = context[n + self.skip:]
+        t_read = time.perf_counter()
         if self.in_head is not None:           # tokens the draft has not read yet (first
             self._extend_head(unread if self.head is not None else context)   # call: all)
         feed = torch.tensor(unread, device=dev)
@@ -157,6 +169,7 @@ class ModelDrafter:
                            AttnMeta.prefill(m, prefix, slots),
                            logits_idx=slice(len(feed) - 1, len(feed)), head=self.head)[0]
         first, q0, conf = self._choose(logits, max(1, num_paths), sp)
+        self.last_read = (len(unread), time.perf_counter() - t_read)   # (tokens, seconds)
         # Greedy: any pruning is exact. Sampling: the first draws must stay i.i.d. from q for
         # the verifier's residual updates, so none is dropped for its value; a path's length
         # may still depend on its own earlier tokens (that decides whether a node has children,
