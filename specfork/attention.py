@@ -281,9 +281,13 @@ def _merge_slots(parts: list) -> tuple:
 
 def uses_slot_op(model) -> bool:
     """Decode steps and ROWS trees go through the compiled slot op (`kernels/slot_attention`):
-    float32 K/V in plain slots on a CPU whose vector path covers the head size."""
+    float32 K/V in plain slots on a CPU whose vector path covers the head size. Not under
+    tensor parallelism for now: there, an interrupted rank 0 (Ctrl-C mid-generation) failed
+    to stop within a minute in full suite runs on an AMD EPYC (not reproduced alone), and a
+    rank's few heads gain little."""
     return (model.device.type == "cpu" and model.dtype == torch.float32
             and getattr(model, "kv_codecs", None) is None
+            and getattr(model, "world", 1) == 1
             and slot_op.available(model.head_dim))
 
 
