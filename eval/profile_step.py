@@ -36,6 +36,7 @@ CATEGORIES = [   # (category, substrings of the op name), first match wins
     ("rope", ("aten::flip", "aten::addcmul")),
     ("kv write / gather", ("index_copy", "index_select")),
     ("casts / copies", ("aten::to", "_to_copy", "aten::copy_", "aten::cat")),
+    ("layer loop (compiled)", ("specfork::layer_stack",)),   # its own time between its calls
 ]
 
 

@@ -7,6 +7,7 @@ the masks, the attention path).
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -173,6 +174,23 @@ def rope_tables(rotary, ref: torch.Tensor, positions: torch.Tensor):
     return cos[0, :, None], sin[:, None]
 
 
+# How `layer_stack.cpp` runs each matmul: the call Linear / QuantLinear would make
+LINEAR, PACKED, PACKED_BLOCKS, BF16_LINEAR, BF16_PACKED, INT8, INT4 = range(7)
+MATMULS = ("qkv", "o", "gate_up", "down")
+
+
+def _stack_kind(lin, rows: int) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    """(kind, the tensor it multiplies by, scales) of one matmul over `rows` non-prompt rows."""
+    if isinstance(lin, QuantLinear):
+        if lin.fmt == "bfloat16":
+            return ((BF16_LINEAR, lin.w, None) if lin.packed is None
+                    else (BF16_PACKED, lin.packed, None))
+        return (INT8 if lin.fmt == "int8" else INT4), lin.w, lin.s
+    if lin._packed_for(rows, lin.exact, False):
+        return (PACKED_BLOCKS if lin.exact else PACKED), lin.packed, None
+    return LINEAR, lin.w, None
+
+
 class Model:
     """Plain-tensor forward of a causal LM whose K/V live in a `BlockPool`."""
 
@@ -250,6 +268,7 @@ class Model:
                 for f in ("qkv", "o", "gate_up", "down"):
                     lin = getattr(ly, f)
                     setattr(ly, f, QuantLinear(lin.w, lin.b, self.weights))
+        self._stacks: dict = {}                 # matmul kinds -> layer_stack's weight lists
         # below this many rows F.linear is faster here; 1 when not packed (it is then unused)
         self.packed_min_rows = 1
         if pack:
@@ -279,6 +298,36 @@ class Model:
         keys = pool.k[:, 1:, 0].float()               # [layers, tokens - 1, KVH, D] post-RoPE
         for (kc, _), mu in zip(codecs, keys.mean(1)):
             kc.set_center(mu)
+
+    def _stack_slots(self, meta) -> tuple | None:
+        """The slot lists (idx, offs) when every row of this forward attends through the slot
+        op (decode steps, ROWS trees, batches of only those): its layer loop then runs as one
+        compiled op, `kernels/layer_stack.cpp`, which makes the same ATen calls as the loop
+        below (same bits) without the interpreter between them. SPECFORK_LAYER_STACK=0: off."""
+        groups = getattr(meta, "groups", None)
+        slots = (groups[0][2] if len(groups) == 1 else None) if groups is not None else meta.slots
+        if slots is None or meta.write is None or os.environ.get("SPECFORK_LAYER_STACK") == "0":
+            return None
+        return slots
+
+    def _stack_weights(self, rows: int) -> tuple:
+        """(kinds, norms, w, s, b) for layer_stack over `rows` rows, built once per kinds."""
+        plan = [_stack_kind(getattr(self.layers[0], f), rows) for f in MATMULS]
+        kinds = tuple(k for k, _, _ in plan)
+        if kinds not in self._stacks:
+            norms, w, s, b = [], [], [], []
+            for ly in self.layers:
+                norms += [ly.ln1, ly.ln2]
+                for f in MATMULS:
+                    lin = getattr(ly, f)
+                    kind, wt, sc = _stack_kind(lin, rows)
+                    if kind != kinds[MATMULS.index(f)]:
+                        raise SpecforkError(f"layer_stack: layers differ in how {f} runs")
+                    w.append(wt)
+                    s.append(sc)
+                    b.append(lin.b)
+            self._stacks[kinds] = (list(kinds), norms, w, s, b)
+        return self._stacks[kinds]
 
     def linears(self) -> list:
         """Every matmul of the forward (`Linear`, or `QuantLinear` under a low-bit format)."""
@@ -320,7 +369,15 @@ class Model:
         cos, sin = self.rope(positions)
         write, src = meta.write, meta.write_src
         kept = {}
-        for i, ly in enumerate(self.layers):
+        slots = self._stack_slots(meta)
+        if slots is not None:
+            kinds, norms, w, s, b = self._stack_weights(T)
+            layers = [i for i in (capture or ()) if i < self.num_layers]
+            x, got = torch.ops.specfork.layer_stack(
+                x, norms, w, s, b, kinds, cos, sin, pool.k, pool.v, write, src, *slots,
+                [H, KVH, D], self.eps, self.scale, sorted(set(layers)))
+            kept = dict(zip(sorted(set(layers)), got))
+        for i, ly in enumerate(self.layers if slots is None else ()):
             if capture is not None and i in capture:
                 kept[i] = x
             h = rms_norm(x, ly.ln1, self.eps)

@@ -55,8 +55,11 @@ def test_bad_calls_are_errors_not_crashes():
 
 def test_batch_of_decoding_requests_takes_one_call_per_layer(monkeypatch):
     """Four requests decoding together: every decode step's attention is one op call per
-    layer for the whole batch, and each request emits what it emits alone."""
+    layer for the whole batch, and each request emits what it emits alone (the Python layer
+    loop, where this op is called from Python; tests/test_layer_stack.py covers the compiled
+    loop)."""
     from specfork.decoder import SpecDecoder
+    monkeypatch.setenv("SPECFORK_LAYER_STACK", "0")
     m = tiny_model()
     assert op.available(m.head_dim)
     dec = SpecDecoder(m, None, eos_token_ids=[], max_kv_tokens=512)

@@ -364,6 +364,7 @@ def test_long_prompt_decodes_from_its_run_exactly(monkeypatch, slot_op):
         monkeypatch.setattr(sa, "uses_slot_op", lambda model: False)
     elif not sa.uses_slot_op(model):
         pytest.skip("the slot op is not built on this machine")
+    monkeypatch.setenv("SPECFORK_LAYER_STACK", "0")     # attention called from the Python loop
     prompt = ([5, 6, 7, 8, 9, 11, 3] * 15)[:100]
     with torch.no_grad():
         ref = model.hf.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20,

@@ -26,13 +26,16 @@ from pathlib import Path
 import torch
 
 SRC = Path(__file__).with_suffix(".cpp")
+# one library: the slot op, the decoder-layer loop that calls it (layer_stack.cpp) and their header
+SOURCES = [SRC, SRC.with_name("layer_stack.cpp")]
+HEADERS = [SRC.with_suffix(".h")]
 FLAGS = ["-O3", "-march=native"]
 _LOCK = threading.Lock()
 _OPS: list = []                     # [torch.ops.specfork or None] once tried
 
 
 def _built_path() -> Path:
-    key = hashlib.sha256(SRC.read_bytes() + " ".join(FLAGS + [
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS + [
         torch.__version__, platform.machine(), sys.version.split()[0]]).encode()).hexdigest()
     from specfork.loader import cache_root
     return cache_root() / "ops" / f"slot_attention-{key[:16]}.so"
@@ -42,11 +45,12 @@ def _build(dest: Path) -> None:
     """Compile into a private directory (loading it into this process), then move the library
     into the cache in one rename: concurrent builders each finish, the last rename wins."""
     from torch.utils.cpp_extension import load
-    print("specfork: compiling the CPU slot-attention op once (about 30 s)...",
+    print("specfork: compiling the CPU ops (slot attention, layer loop) once (about 30-60 s)...",
           file=sys.stderr, flush=True)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        load(f"specfork_slot_attention_{dest.stem[-16:]}", [str(SRC)], extra_cflags=FLAGS,
+        load(f"specfork_slot_attention_{dest.stem[-16:]}", [str(p) for p in SOURCES],
+             extra_cflags=FLAGS, extra_include_paths=[str(SRC.parent)],
              build_directory=tmp, is_python_module=False, verbose=False)
         built = next(Path(tmp).glob("*.so"))
         part = dest.with_suffix(f".{os.getpid()}.part")
