@@ -134,7 +134,8 @@ def test_cli_refuses_bad_rank_counts():
 
 
 LOOP = """
-import sys, torch
+import faulthandler, signal, sys, torch
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's view of a hang
 from specfork.decoder import SpecDecoder
 from specfork.errors import run_command
 dec = SpecDecoder.from_pretrained({target!r}, tensor_parallel=2, dtype=torch.float32,
@@ -189,7 +190,17 @@ def test_the_other_ranks_stop_with_rank_zero(tiny_dir, how):
             p.wait(timeout=30)
         else:
             p.send_signal(signal.SIGINT)
-            assert p.wait(timeout=60) == 130
+            try:
+                rc = p.wait(timeout=60)
+            except subprocess.TimeoutExpired:       # where it hangs: every thread's stack
+                p.send_signal(signal.SIGUSR1)
+                time.sleep(2)
+                p.kill()
+                if not _gone(worker):               # it holds rank 0's stderr open
+                    os.kill(worker, signal.SIGKILL)
+                pytest.fail("rank 0 still running 60 s after Ctrl-C; its threads:\n"
+                            + p.stderr.read()[-8000:])
+            assert rc == 130
         deadline = time.time() + 60
         while not _gone(worker) and time.time() < deadline:
             time.sleep(0.2)
