@@ -283,7 +283,7 @@ def uses_slot_op(model) -> bool:
     """Decode steps and ROWS trees go through the compiled slot op (`kernels/slot_attention`):
     float32 K/V in plain slots on a CPU whose vector path covers the head size. Not under
     tensor parallelism for now (a precaution while a Ctrl-C test of the ranks fails in full
-    suite runs on an AMD EPYC; turning the op off there did not cure it)."""
+    suite runs, on an AMD EPYC and a Xeon alike; turning the op off there did not cure it)."""
     return (model.device.type == "cpu" and model.dtype == torch.float32
             and getattr(model, "kv_codecs", None) is None
             and getattr(model, "world", 1) == 1

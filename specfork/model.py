@@ -265,7 +265,7 @@ class Model:
         if low:
             self.lm_head = QuantLinear(self.lm_head.w, self.lm_head.b, HEAD_FORMAT[self.weights])
             for ly in self.layers:
-                for f in ("qkv", "o", "gate_up", "down"):
+                for f in MATMULS:
                     lin = getattr(ly, f)
                     setattr(ly, f, QuantLinear(lin.w, lin.b, self.weights))
         self._stacks: dict = {}                 # matmul kinds -> layer_stack's weight lists
@@ -318,10 +318,10 @@ class Model:
             norms, w, s, b = [], [], [], []
             for ly in self.layers:
                 norms += [ly.ln1, ly.ln2]
-                for f in MATMULS:
+                for f, want in zip(MATMULS, kinds):
                     lin = getattr(ly, f)
                     kind, wt, sc = _stack_kind(lin, rows)
-                    if kind != kinds[MATMULS.index(f)]:
+                    if kind != want:
                         raise SpecforkError(f"layer_stack: layers differ in how {f} runs")
                     w.append(wt)
                     s.append(sc)
@@ -332,7 +332,7 @@ class Model:
     def linears(self) -> list:
         """Every matmul of the forward (`Linear`, or `QuantLinear` under a low-bit format)."""
         return [self.lm_head] + [getattr(ly, f) for ly in self.layers
-                                 for f in ("qkv", "o", "gate_up", "down")]
+                                 for f in MATMULS]
 
     def packed_bytes(self) -> int:
         """Bytes of the pre-packed weight copies this Model keeps beside the HF weights."""
@@ -372,11 +372,11 @@ class Model:
         slots = self._stack_slots(meta)
         if slots is not None:
             kinds, norms, w, s, b = self._stack_weights(T)
-            layers = [i for i in (capture or ()) if i < self.num_layers]
+            layers = sorted({i for i in (capture or ()) if i < self.num_layers})
             x, got = torch.ops.specfork.layer_stack(
                 x, norms, w, s, b, kinds, cos, sin, pool.k, pool.v, write, src, *slots,
-                [H, KVH, D], self.eps, self.scale, sorted(set(layers)))
-            kept = dict(zip(sorted(set(layers)), got))
+                [H, KVH, D], self.eps, self.scale, layers)
+            kept = dict(zip(layers, got))
         for i, ly in enumerate(self.layers if slots is None else ()):
             if capture is not None and i in capture:
                 kept[i] = x

@@ -17,8 +17,8 @@
 
 namespace {
 
-// How a matmul runs; `Model._stack_plan` picks one per matmul kind for the forward's row count,
-// the choice `Linear` / `QuantLinear` would make.
+// How a matmul runs; `specfork/model.py: _stack_kind` picks one per matmul kind for the forward's
+// row count, the choice `Linear` / `QuantLinear` would make (the same numbers there).
 enum Kind : int64_t {
   LINEAR = 0,         // F.linear, float32
   PACKED = 1,         // oneDNN-packed float32
