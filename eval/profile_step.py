@@ -28,7 +28,8 @@ from bench_cpu import (FORMATS, parse_formats, read_bandwidth, step_bytes,  # no
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 CATEGORIES = [   # (category, substrings of the op name), first match wins
-    ("matmul", ("_weight_int8pack_mm", "_weight_int4pack_mm", "_linear_pointwise", "aten::mm",
+    ("matmul", ("_weight_int8pack_mm", "_weight_int4pack_mm", "specfork::lowbit_linear",
+                "_linear_pointwise", "aten::mm",
                 "aten::addmm", "aten::linear")),
     ("attention", ("aten::bmm", "aten::baddbmm", "softmax", "scaled_dot_product",
                    "_flash_attention", "specfork::slot_attention")),

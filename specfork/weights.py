@@ -7,16 +7,22 @@ reads the weights once, so bytes per weight is what sets its time:
 
 - bfloat16: 2 bytes. On a CPU with bf16 matrix units the oneDNN-packed product (AMX) also makes
   a verify tree's extra rows nearly free.
-- int8: 1 byte; per output channel, w = q * s, s = absmax / 127 (`_weight_int8pack_mm`).
-- int4: 0.5 byte + a bf16 scale and offset per group of 32 inputs, w = (q - 8) * s + z with
-  q in 0..15 (`_weight_int4pack_mm_for_cpu`): the layout of GGUF's Q4_1 blocks (w = q * d + m,
-  blocks of 32), so such blocks map one to one, s = d and z = m + 8 d rounded to bf16 (the
-  embedded target's layers are Q4_1: int4 finds their grid again, off by that rounding).
+- int8: 1 byte; per output channel, w = q * s, s = absmax / 127.
+- int4: 0.5 byte + a scale and offset per group of 32 inputs: GGUF's Q4_1 blocks (w = q * d + m,
+  blocks of 32), so such blocks map one to one.
 
-Scales (and offsets) are rounded to bf16 before the weights are quantized against them, so
-the kernel dequantizes exactly the values the rounding chose.
+Two kernels. Where the CPU has AVX-512, specfork's own (`kernels/lowbit_linear.cpp`): float32
+activations, each weight dequantized to float32 (int4: w = q * d + m with d and m float16
+values, GGUF's, so the embedded target's Q4_1 layers are found again exactly), residual add
+and bias fused. Elsewhere torch's (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`): bf16
+activations and, for int4, w = (q - 8) * s + z with s = d and z = m + 8 d rounded to bf16.
+
+Scales (and offsets) are rounded to their stored precision before the weights are quantized
+against them, so the kernel dequantizes exactly the values the rounding chose.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +38,21 @@ HEAD_FORMAT = {"bfloat16": "bfloat16", "int8": "int8", "int4": "int8"}
 
 
 EXACT_ROWS = 8      # rows per call where a row's product must not depend on the row count
+
+
+def native() -> bool:
+    """Whether specfork's low-bit kernels run here (built with AVX-512; SPECFORK_LOWBIT=0 off)."""
+    if not _NATIVE:
+        ok = False
+        if os.environ.get("SPECFORK_LOWBIT", "1") != "0":
+            from specfork.kernels import slot_attention
+            ops = slot_attention._load()
+            ok = ops is not None and bool(ops.lowbit_native())
+        _NATIVE.append(ok)
+    return _NATIVE[0]
+
+
+_NATIVE: list[bool] = []
 
 
 def row_blocks(fn, x: torch.Tensor, res: torch.Tensor | None = None) -> torch.Tensor:
@@ -52,7 +73,7 @@ def row_blocks(fn, x: torch.Tensor, res: torch.Tensor | None = None) -> torch.Te
 
 class QuantLinear:
     """y = x @ w.T + b with `w` held in a low-bit format; x and y in the caller's dtype."""
-    __slots__ = ("fmt", "w", "s", "b", "packed", "out_features")
+    __slots__ = ("fmt", "w", "s", "b", "packed", "out_features", "bits")
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, fmt: str,
                  absmax: torch.Tensor | None = None):
@@ -62,7 +83,17 @@ class QuantLinear:
             raise SpecforkError(f"--weights {fmt}: only on a CPU for now (use --dtype on GPU)")
         self.fmt, self.b, self.out_features = fmt, b, w.shape[0]
         self.s = self.packed = None
+        self.bits = 0                      # 4 or 8: specfork's kernel runs this matmul
         w = w.detach().float()
+        if fmt in ("int8", "int4") and w.shape[1] % GROUP == 0 and native():
+            self.bits = 8 if fmt == "int8" else 4
+            if fmt == "int8":
+                self.w, s = quantize_int8(w, absmax)
+                self.s = s.float()
+            else:
+                q, self.s = quantize_q4(w)
+                self.w = pack_q4(q)
+            return
         if fmt == "bfloat16":
             self.w = w.bfloat16()
             if torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -83,6 +114,8 @@ class QuantLinear:
         """The int8/int4 kernels give a row the same bits in any call; the packed bf16 one
         only within calls of one size, so rows other than prompt rows (`bulk`) go through it
         in EXACT_ROWS-row calls."""
+        if self.bits:
+            return torch.ops.specfork.lowbit_linear(x, self.w, self.s, self.bits, self.b, None)
         xb = x.to(torch.bfloat16)
         if self.fmt == "bfloat16":
             if self.packed is None:
@@ -101,6 +134,8 @@ class QuantLinear:
 
     def add_to(self, x: torch.Tensor, a: torch.Tensor, bulk: bool = False) -> torch.Tensor:
         """x + self(a) (the residual add)."""
+        if self.bits:
+            return torch.ops.specfork.lowbit_linear(a, self.w, self.s, self.bits, self.b, x)
         return self(a).add_(x)
 
     @property
@@ -135,12 +170,43 @@ def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, to
     return q.view(N, K).to(torch.int32), sz
 
 
+def quantize_q4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w [N, K]` -> (q uint8 in 0..15 `[N, K]`, sz float16 `[N, K / group, 2]`), w ~ q * d + m
+    per group: d = (max - min) / 15 and m = min (GGUF's Q4_1)."""
+    N, K = w.shape
+    g = w.view(N, K // group, group)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    d = ((hi - lo) / 15).clamp_min(1e-7).half().float()
+    m = lo.half().float()
+    q = torch.round((g - m[..., None]) / d[..., None]).clamp_(0, 15)
+    return q.view(N, K).to(torch.uint8), torch.stack((d, m), dim=-1).half().contiguous()
+
+
+def pack_q4(q: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    """Codes `[N, K]` (0..15) -> `[N, K / 2]` bytes as `lowbit_linear.cpp` reads them: per group
+    of 32, byte j holds input j in its low nibble and input 16 + j in its high one."""
+    N, K = q.shape
+    q = q.view(N, K // group, 2, group // 2).to(torch.uint8)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
+
+
+def unpack_q4(packed: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    """`pack_q4`'s inverse."""
+    N = packed.shape[0]
+    b = packed.view(N, -1, group // 2)
+    return torch.stack((b & 15, b >> 4), dim=2).reshape(N, -1)
+
+
 def dequantize(lin: QuantLinear) -> torch.Tensor:
     """The fp32 weights `[N, K]` the kernel multiplies by (tests, error reports)."""
     if lin.fmt == "bfloat16":
         return lin.w.float()
     if lin.fmt == "int8":
         return lin.w.float() * lin.s.float()[:, None]
+    if lin.bits == 4:
+        q = unpack_q4(lin.w).double().view(lin.w.shape[0], -1, GROUP)
+        d, m = lin.s[..., :1].double(), lin.s[..., 1:].double()
+        return (q * d + m).float().flatten(1)   # fma: one rounding, as the kernel's
     raise SpecforkError("int4 weights are kept packed; dequantize before packing")
 
 

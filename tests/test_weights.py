@@ -12,15 +12,64 @@ import torch
 
 from conftest import tiny_model, tree_and_steps
 from specfork.errors import SpecforkError
-from specfork.weights import (GROUP, QuantLinear, check_weights, dequantize, quantize_int4,
-                              quantize_int8, resolve)
+from specfork.weights import (GROUP, QuantLinear, check_weights, dequantize, native, pack_q4,
+                              quantize_int4, quantize_int8, quantize_q4, resolve, unpack_q4)
 
 LOW = ("bfloat16", "int8", "int4")
 
 
 def _ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """What a weight-only kernel computes: bf16 activations times `w`, in fp32."""
-    return x.bfloat16().float() @ w.t()
+    """What a weight-only kernel computes: `w` times the activations (bf16 in torch's kernels,
+    float32 in ours), in fp32."""
+    return (x if native() else x.bfloat16().float()) @ w.t()
+
+
+needs_native = pytest.mark.skipif(not native(), reason="specfork's low-bit kernels need AVX-512")
+
+
+@needs_native
+def test_our_int4_kernel_finds_a_q4_1_grid_exactly_and_multiplies_by_it():
+    """Q4_1 blocks (w = q * d + m, d and m float16 as GGUF stores them) are held exactly, and
+    the product is the float32 one of those weights with float32 activations."""
+    g = torch.Generator().manual_seed(11)
+    N, K = 40, 6 * GROUP
+    q = torch.randint(0, 16, (N, K // GROUP, GROUP), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(N, K // GROUP, 1, generator=g) * 0.1 + 0.01).half().float()
+    m = (torch.randn(N, K // GROUP, 1, generator=g) * 0.1).half().float()
+    w = torch.addcmul(m, q.float(), d).view(N, K)
+    q2, sz = quantize_q4(w)
+    assert torch.equal(q2.view_as(q), q.to(torch.uint8)) and sz.dtype == torch.float16
+    assert torch.equal(unpack_q4(pack_q4(q2)), q2)
+    lin = QuantLinear(w, None, "int4")
+    assert lin.bits == 4 and lin.w.shape == (N, K // 2)
+    assert (dequantize(lin) - w).abs().max() < 1e-7
+    x = torch.randn(5, K, generator=g)
+    torch.testing.assert_close(lin(x), (x.double() @ w.double().t()).float(), atol=1e-5,
+                               rtol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", ("int8", "int4"))
+def test_our_kernel_gives_a_row_the_same_bits_in_any_call(fmt):
+    """Whatever the row count (1..19: every tile shape and tail), the row's place, the
+    thread count, or a fused residual and bias: a row gets the same bits."""
+    g = torch.Generator().manual_seed(12)
+    w, b = torch.randn(70, 4 * GROUP, generator=g) * 0.05, torch.randn(70, generator=g)
+    lin = QuantLinear(w, b, fmt)
+    x, res = torch.randn(19, 4 * GROUP, generator=g), torch.randn(19, 70, generator=g)
+    one = torch.cat([lin(x[i:i + 1]) for i in range(19)])
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for T in (1, 2, 3, 4, 5, 7, 8, 13, 19):
+                assert torch.equal(lin(x[:T]), one[:T]), (n, T)
+            assert torch.equal(lin.add_to(res, x), one + res)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(one, (x.double() @ dequantize(lin).double().t()).float() + b,
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_int8_kernel_multiplies_by_the_dequantized_weights():

@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "lowbit_linear.h"
 #include "slot_attention.h"
 
 namespace {
@@ -27,6 +28,8 @@ enum Kind : int64_t {
   BF16_PACKED = 4,    // bf16 weights packed, in calls of EXACT_ROWS rows
   INT8 = 5,           // _weight_int8pack_mm
   INT4 = 6,           // _weight_int4pack_mm_for_cpu, groups of 32
+  LOWBIT4 = 7,        // lowbit_linear.cpp, 4-bit
+  LOWBIT8 = 8,        // lowbit_linear.cpp, 8-bit
 };
 constexpr int64_t EXACT_ROWS = 8;   // specfork/weights.py
 constexpr int64_t GROUP = 32;
@@ -85,6 +88,8 @@ at::Tensor apply(const Lin& l, const at::Tensor& x) {
     case PACKED_BLOCKS:
       return row_blocks([&](const at::Tensor& a, const at::Tensor&) {
         return pointwise(a, l.w, l.b); }, x);
+    case LOWBIT4: return lowbit_linear(x, l.w, *l.s, 4, l.b, std::nullopt);
+    case LOWBIT8: return lowbit_linear(x, l.w, *l.s, 8, l.b, std::nullopt);
     default: break;
   }
   const auto xb = x.to(at::kBFloat16);
@@ -111,6 +116,8 @@ at::Tensor add_to(const Lin& l, const at::Tensor& x, const at::Tensor& a) {
     case PACKED_BLOCKS:
       return row_blocks([&](const at::Tensor& ai, const at::Tensor& xi) {
         return pointwise_add(ai, xi, l.w, l.b); }, a, x);
+    case LOWBIT4: return lowbit_linear(a, l.w, *l.s, 4, l.b, x);
+    case LOWBIT8: return lowbit_linear(a, l.w, *l.s, 8, l.b, x);
     default: return apply(l, a).add_(x);
   }
 }

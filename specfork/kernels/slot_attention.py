@@ -26,10 +26,12 @@ from pathlib import Path
 import torch
 
 SRC = Path(__file__).with_suffix(".cpp")
-# one library: the slot op, the decoder-layer loop that calls it (layer_stack.cpp) and their header
-SOURCES = [SRC, SRC.with_name("layer_stack.cpp")]
-HEADERS = [SRC.with_suffix(".h")]
-FLAGS = ["-O3", "-march=native"]
+# one library: the slot op, the low-bit matmuls (lowbit_linear.cpp), the decoder-layer loop that
+# calls both (layer_stack.cpp) and their headers
+SOURCES = [SRC, SRC.with_name("lowbit_linear.cpp"), SRC.with_name("layer_stack.cpp")]
+HEADERS = [SRC.with_suffix(".h"), SRC.with_name("lowbit_linear.h")]
+# -fopenmp: at::parallel_for splits work over torch's threads only where OpenMP is compiled in
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LOCK = threading.Lock()
 _OPS: list = []                     # [torch.ops.specfork or None] once tried
 
@@ -45,12 +47,13 @@ def _build(dest: Path) -> None:
     """Compile into a private directory (loading it into this process), then move the library
     into the cache in one rename: concurrent builders each finish, the last rename wins."""
     from torch.utils.cpp_extension import load
-    print("specfork: compiling the CPU ops (slot attention, layer loop) once (about 30-60 s)...",
+    print("specfork: compiling the CPU ops (slot attention, low-bit matmuls, layer loop) once "
+          "(about 30-60 s)...",
           file=sys.stderr, flush=True)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         load(f"specfork_slot_attention_{dest.stem[-16:]}", [str(p) for p in SOURCES],
-             extra_cflags=FLAGS, extra_include_paths=[str(SRC.parent)],
+             extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], extra_include_paths=[str(SRC.parent)],
              build_directory=tmp, is_python_module=False, verbose=False)
         built = next(Path(tmp).glob("*.so"))
         part = dest.with_suffix(f".{os.getpid()}.part")

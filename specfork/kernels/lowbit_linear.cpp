@@ -1,0 +1,207 @@
+// Weight-only low-bit matmuls for few rows (CPU): y = x @ dequant(w).T (+ bias) (+ residual).
+//
+// Why: a decode step reads every weight once, so its matmuls should run at the memory's read
+// bandwidth. torch's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` reach about 0.3 of
+// it on one or a few rows here, and take bf16 activations (a cast each way per matmul). This
+// kernel dequantizes each weight once per tile of rows to float32 (int4: w = fma(q, d, m), the
+// block's float16 scale and offset) and multiplies float32 activations, 16 per instruction,
+// tiles of up to 4 rows x 4 outputs sharing each dequantized vector; the residual add and the
+// bias are fused. (bf16 dot products, `vdpbf16ps`, measured slower on the Sapphire Rapids here:
+// one per ~3.5 cycles against two float32 FMAs per cycle.)
+//
+// Every (row, output) is computed by the same instructions in the same order whatever the row
+// count, the row's place in the call or the thread split (threads split the outputs), so a
+// verify tree's row gets the bits the one-row decode step gets. Built where the compiler targets
+// AVX-512 (`lowbit_native()`); elsewhere QuantLinear keeps torch's kernels.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <torch/library.h>
+
+#include "lowbit_linear.h"
+
+#include <algorithm>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define SPECFORK_LOWBIT 1
+#endif
+
+namespace {
+
+constexpr int64_t GROUP = 32;   // inputs per scale/offset (GGUF's Q4_1 block)
+
+#ifdef SPECFORK_LOWBIT
+
+// 4-bit, rows t0..t0+NT of outputs n..n+NO: w4 [N, K/2] bytes, group g of 32 inputs in bytes
+// 16g..16g+15, byte j holding input 32g + j in its low nibble and 32g + 16 + j in its high one;
+// sz [N, K/32, 2] float16 (scale, offset: GGUF Q4_1's d and m): w = fma(q, scale, offset), each
+// weight dequantized once per tile and shared by its rows. NT x NO accumulators keep the
+// multiply-add units busy; the next tile's bytes are prefetched as this one's are read.
+template <int NT, int NO>
+void int4_tile(const float* x, int64_t t0, int64_t K, const uint8_t* w4, const uint16_t* sz,
+               float* y, int64_t N, int64_t n) {
+  constexpr int64_t PASS = 64;                      // groups whose scales are widened at once
+  const int64_t G = K / GROUP;
+  const __m512i low4 = _mm512_set1_epi32(15);
+  const char* next = (const char*)(w4 + std::min(n + NO, N - 1) * (K / 2));
+  alignas(64) float sf[NO][2 * PASS];
+  __m512 acc[NT][NO];
+  for (int r = 0; r < NT; ++r)
+    for (int o = 0; o < NO; ++o) acc[r][o] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < G; g0 += PASS) {
+    const int64_t gn = std::min(PASS, G - g0);
+    for (int o = 0; o < NO; ++o)
+      for (int64_t i = 0; i < 2 * gn; i += 16) {
+        const __mmask16 m = 2 * gn - i >= 16 ? (__mmask16)0xFFFF
+                                             : (__mmask16)((1u << (2 * gn - i)) - 1);
+        _mm512_store_ps(sf[o] + i, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+            m, sz + ((n + o) * G + g0) * 2 + i)));
+      }
+    for (int64_t g = g0; g < g0 + gn; ++g) {
+      if (t0 == 0) _mm_prefetch(next + 16 * NO * g, _MM_HINT_T0);
+      for (int o = 0; o < NO; ++o) {
+        const __m512i codes = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128((const __m128i*)(w4 + (n + o) * (K / 2) + 16 * g)));
+        const __m512 s = _mm512_set1_ps(sf[o][2 * (g - g0)]),
+                     z = _mm512_set1_ps(sf[o][2 * (g - g0) + 1]);
+        const __m512 wa = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, low4)), s, z);
+        const __m512 wb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), s, z);
+        for (int r = 0; r < NT; ++r) {
+          const float* xr = x + (t0 + r) * K + GROUP * g;
+          acc[r][o] = _mm512_fmadd_ps(wa, _mm512_loadu_ps(xr), acc[r][o]);
+          acc[r][o] = _mm512_fmadd_ps(wb, _mm512_loadu_ps(xr + 16), acc[r][o]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < NT; ++r)
+    for (int o = 0; o < NO; ++o) y[(t0 + r) * N + n + o] = _mm512_reduce_add_ps(acc[r][o]);
+}
+
+// 8-bit, rows t0..t0+NT of outputs n..n+NO: w8 [N, K] int8, scale [N] float32, w = q * scale
+// (the scale multiplies the finished sum); prefetching as the 4-bit tile does.
+template <int NT, int NO>
+void int8_tile(const float* x, int64_t t0, int64_t K, const int8_t* w8, const float* scale,
+               float* y, int64_t N, int64_t n) {
+  __m512 acc[NT][NO];
+  for (int r = 0; r < NT; ++r)
+    for (int o = 0; o < NO; ++o) acc[r][o] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    if (t0 == 0 && k % 64 == 0)                       // the next tile's rows, a line at a time
+      for (int o = 0; o < NO; ++o)
+        _mm_prefetch((const char*)(w8 + std::min(n + NO + o, N - 1) * K + k), _MM_HINT_T0);
+    __m512 xr[NT];
+    for (int r = 0; r < NT; ++r) xr[r] = _mm512_loadu_ps(x + (t0 + r) * K + k);
+    for (int o = 0; o < NO; ++o) {
+      const __m512 wq = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w8 + (n + o) * K + k))));
+      for (int r = 0; r < NT; ++r) acc[r][o] = _mm512_fmadd_ps(wq, xr[r], acc[r][o]);
+    }
+  }
+  for (int r = 0; r < NT; ++r)
+    for (int o = 0; o < NO; ++o)
+      y[(t0 + r) * N + n + o] = _mm512_reduce_add_ps(acc[r][o]) * scale[n + o];
+}
+
+// Outputs n0..n1 for all T rows in tiles of 1 row x 4 outputs, 2 x 4, or 3-4 rows x 2 outputs
+// (a tail output alone): f.operator()<rows, outputs>(first row, first output).
+template <class F>
+void tiles(int64_t T, int64_t n0, int64_t n1, F f) {
+  for (int64_t n = n0; n < n1;) {
+    const bool four = n1 - n >= 4;
+    for (int64_t t0 = 0; t0 < T;) {
+      const int64_t nt = std::min<int64_t>(4, T - t0);
+      switch (four ? nt : nt + 4) {
+        case 1: f.template operator()<1, 4>(t0, n); break;
+        case 2: f.template operator()<2, 4>(t0, n); break;
+        case 3: f.template operator()<3, 2>(t0, n); f.template operator()<3, 2>(t0, n + 2); break;
+        case 4: f.template operator()<4, 2>(t0, n); f.template operator()<4, 2>(t0, n + 2); break;
+        case 5: f.template operator()<1, 1>(t0, n); break;
+        case 6: f.template operator()<2, 1>(t0, n); break;
+        case 7: f.template operator()<3, 1>(t0, n); break;
+        default: f.template operator()<4, 1>(t0, n); break;
+      }
+      t0 += nt;
+    }
+    n += four ? 4 : 1;
+  }
+}
+
+void int4_rows(const float* x, int64_t T, int64_t K, const uint8_t* w4, const uint16_t* sz,
+               int64_t n0, int64_t n1, float* y, int64_t N) {
+  tiles(T, n0, n1, [&]<int NT, int NO>(int64_t t0, int64_t n) {
+    int4_tile<NT, NO>(x, t0, K, w4, sz, y, N, n);
+  });
+}
+
+void int8_rows(const float* x, int64_t T, int64_t K, const int8_t* w8, const float* scale,
+               int64_t n0, int64_t n1, float* y, int64_t N) {
+  tiles(T, n0, n1, [&]<int NT, int NO>(int64_t t0, int64_t n) {
+    int8_tile<NT, NO>(x, t0, K, w8, scale, y, N, n);
+  });
+}
+
+#endif  // SPECFORK_LOWBIT
+
+}  // namespace
+
+bool lowbit_native() {
+#ifdef SPECFORK_LOWBIT
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [T, K] float32; bits 4: w uint8 [N, K/2], s float16 [N, K/32, 2] (scale, offset per group);
+// bits 8: w int8 [N, K], s float32 [N]. Returns [T, N] float32, plus bias [N] and residual [T, N]
+// where given (added after the product, as QuantLinear's `y.add_(b)` then `+ x`).
+at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
+                         int64_t bits, const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& residual) {
+#ifndef SPECFORK_LOWBIT
+  TORCH_CHECK(false, "lowbit_linear: built without AVX-512");
+#else
+  // profilers see it under its own name when layer_stack.cpp calls it directly
+  RECORD_FUNCTION("specfork::lowbit_linear", std::vector<c10::IValue>());
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "lowbit_linear: x [T, K] float32");
+  TORCH_CHECK(bits == 4 || bits == 8, "lowbit_linear: bits 4 or 8");
+  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % GROUP == 0, "lowbit_linear: inputs a multiple of ", GROUP);
+  TORCH_CHECK(s.is_contiguous() && w.is_contiguous(), "lowbit_linear: contiguous weights, scales");
+  if (bits == 4) {
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.size(1) == K / 2 && s.dim() == 3 &&
+                    s.scalar_type() == at::kHalf &&
+                    s.size(0) == N && s.size(1) == K / GROUP && s.size(2) == 2,
+                "lowbit_linear: 4-bit weights [N, K/2] uint8, scales [N, K/32, 2] float16");
+  } else {
+    TORCH_CHECK(w.scalar_type() == at::kChar && w.size(1) == K && s.numel() == N &&
+                    s.scalar_type() == at::kFloat,
+                "lowbit_linear: 8-bit weights [N, K] int8, scales [N] float32");
+  }
+  const auto xc = x.contiguous();
+  auto y = at::empty({T, N}, x.options());
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = std::max<int64_t>(16, (N + threads - 1) / threads);
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    if (bits == 4)
+      int4_rows(xp, T, K, w.data_ptr<uint8_t>(), (const uint16_t*)s.data_ptr<at::Half>(), n0, n1,
+                yp, N);
+    else
+      int8_rows(xp, T, K, w.data_ptr<int8_t>(), s.data_ptr<float>(), n0, n1, yp, N);
+  });
+  if (bias) y.add_(*bias);
+  if (residual) y.add_(*residual);
+  return y;
+#endif
+}
+
+TORCH_LIBRARY_FRAGMENT(specfork, m) {
+  m.def("lowbit_linear(Tensor x, Tensor w, Tensor s, int bits, Tensor? bias, Tensor? residual) "
+        "-> Tensor", &lowbit_linear);
+  m.def("lowbit_native() -> bool", &lowbit_native);
+}
