@@ -270,6 +270,12 @@ class Model:
                 for f in MATMULS:
                     lin = getattr(ly, f)
                     setattr(ly, f, QuantLinear(lin.w, lin.b, self.weights))
+        # Under specfork's low-bit kernels the layers' small ops run fused
+        # (`kernels/layer_ops.cpp`), in the Python loop and the compiled one alike; float32 keeps
+        # torch's, whose bits match HF's. SPECFORK_FUSED_OPS=0 turns it off.
+        self.fused_ops = (os.environ.get("SPECFORK_FUSED_OPS", "1") != "0" and low
+                          and self.head_dim % 32 == 0
+                          and all(getattr(ly, f).bits for ly in self.layers for f in MATMULS))
         self._stacks: dict = {}                 # matmul kinds -> layer_stack's weight lists
         # below this many rows F.linear is faster here; 1 when not packed (it is then unused)
         self.packed_min_rows = 1
@@ -280,6 +286,12 @@ class Model:
             for x in self.linears():
                 x.min_rows = self.packed_min_rows
                 x.exact = self.rows_exact
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The layers' RMSNorm: fused under `fused_ops`, else `rms_norm` (HF's bits in fp32)."""
+        if self.fused_ops:
+            return torch.ops.specfork.rms_norm(x, w, self.eps)
+        return rms_norm(x, w, self.eps)
 
     @torch.inference_mode()
     def calibrate_kv(self, ids: list[int]) -> None:
@@ -377,15 +389,18 @@ class Model:
             layers = sorted({i for i in (capture or ()) if i < self.num_layers})
             x, got = torch.ops.specfork.layer_stack(
                 x, norms, w, s, b, kinds, cos, sin, pool.k, pool.v, write, src, *slots,
-                [H, KVH, D], self.eps, self.scale, layers)
+                [H, KVH, D], self.eps, self.scale, layers, self.fused_ops)
             kept = dict(zip(layers, got))
         for i, ly in enumerate(self.layers if slots is None else ()):
             if capture is not None and i in capture:
                 kept[i] = x
-            h = rms_norm(x, ly.ln1, self.eps)
-            qkv = ly.qkv(h, bulk)                    # [T, (H+2KVH)*D]
-            qk = apply_rope(qkv[:, :nqk].view(T, H + KVH, D), cos, sin)
-            q, k = qk[:, :H], qk[:, H:]
+            qkv = ly.qkv(self.rms_norm(x, ly.ln1), bulk)                # [T, (H+2KVH)*D]
+            if self.fused_ops:
+                torch.ops.specfork.rope_(qkv, cos, sin, H + KVH, D)
+                q, k = qkv[:, :nq].view(T, H, D), qkv[:, nq:nqk].view(T, KVH, D)
+            else:
+                qk = apply_rope(qkv[:, :nqk].view(T, H + KVH, D), cos, sin)
+                q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, nqk:].view(T, KVH, D)
             kf, vf = pool.layer_slots(i)                                # [slots, KVH, D]
             if pool.codecs is not None:          # stored, then read back: as every later read
@@ -407,13 +422,17 @@ class Model:
                 if vc.rotated:
                     a = vc.unrotate(a)
             x = ly.o.add_to(x, a.reshape(T, nq), bulk)
-            g, u = ly.gate_up(rms_norm(x, ly.ln2, self.eps), bulk).chunk(2, dim=-1)
-            x = ly.down.add_to(x, F.silu(g) * u, bulk)
+            gu = ly.gate_up(self.rms_norm(x, ly.ln2), bulk)
+            if self.fused_ops:
+                x = ly.down.add_to(x, torch.ops.specfork.silu_mul(gu), bulk)
+            else:
+                g, u = gu.chunk(2, dim=-1)
+                x = ly.down.add_to(x, F.silu(g) * u, bulk)
         if capture is not None:
             if self.num_layers in capture:               # EAGLE-1: every row's final norm
-                kept[self.num_layers] = rms_norm(x, self.norm, self.eps)
+                kept[self.num_layers] = self.rms_norm(x, self.norm)
             feats = torch.cat([kept[i] for i in capture], dim=-1)
         if logits_idx is not None:
             x = x[logits_idx]
-        logits = (self.lm_head if head is None else head)(rms_norm(x, self.norm, self.eps))
+        logits = (self.lm_head if head is None else head)(self.rms_norm(x, self.norm))
         return logits if capture is None else (logits, feats)

@@ -51,11 +51,20 @@ def _equal(a, b):
     return a is None and b is None or torch.equal(a, b)
 
 
-@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int4"])
-def test_decode_steps_match_the_python_loop_bit_for_bit(monkeypatch, fmt):
+def _low(fmt: str) -> int:
+    """Low-bit models get head size 32 (hidden 128): their small ops then run fused."""
+    return 128 if fmt in ("int8", "int4") else 64
+
+
+@pytest.mark.parametrize("fmt,hidden", [("float32", 64), ("bfloat16", 64), ("int8", 128),
+                                        ("int4", 128), ("int4", 64)])
+def test_decode_steps_match_the_python_loop_bit_for_bit(monkeypatch, fmt, hidden):
     """Logits, captured features (EAGLE-3's three layers and EAGLE-1's final norm) and the K/V
-    written, op against loop."""
-    m = tiny_model(fmt)
+    written, op against loop; under int8/int4 with head size 32 the fused small ops on both
+    sides, with head size 16 torch's."""
+    from specfork.weights import native
+    m = tiny_model(fmt, hidden=hidden)
+    assert m.fused_ops == (hidden == 128 and native())
     calls = _runs(monkeypatch)
     on = _decode(m, capture=(0, 1, 2))
     assert calls == [1] * 6
@@ -72,10 +81,10 @@ def test_rows_trees_match_the_python_loop_and_the_decode_steps(monkeypatch, fmt)
     loop, and its rows equal the decode steps at their positions (the low-bit exactness
     contract), with the op on both sides."""
     calls = _runs(monkeypatch)
-    on = tree_and_steps(tiny_model(fmt), P=60)
+    on = tree_and_steps(tiny_model(fmt, hidden=_low(fmt)), P=60)
     assert 4 in calls and calls.count(1) == 3
     monkeypatch.setenv("SPECFORK_LAYER_STACK", "0")
-    off = tree_and_steps(tiny_model(fmt), P=60)
+    off = tree_and_steps(tiny_model(fmt, hidden=_low(fmt)), P=60)
     assert _equal(on, off)
     tree, steps, tree_k, step_k = on
     assert torch.equal(tree[:3], torch.cat(steps)) and torch.equal(tree_k, step_k)
@@ -85,7 +94,7 @@ def test_a_batch_of_requests_goes_through_the_op_and_matches_each_alone(monkeypa
     """Four requests decoding together run one op call per step and emit, token for token,
     what each emits alone through the Python loop."""
     from specfork.decoder import SpecDecoder
-    m = tiny_model("int4")
+    m = tiny_model("int4", hidden=_low("int4"))
     dec = SpecDecoder(m, None, eos_token_ids=[], max_kv_tokens=512)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 96, (9 + 4 * i,), generator=g).tolist() for i in range(4)]

@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "layer_ops.h"
 #include "lowbit_linear.h"
 #include "slot_attention.h"
 
@@ -128,15 +129,16 @@ at::Tensor add_to(const Lin& l, const at::Tensor& x, const at::Tensor& a) {
 // post-attention RMSNorm weights); w/s/b[4i + j] for j = qkv, o, gate_up, down (weights or
 // their packed/quantized form, scales, biases) run as kinds[j]; the new K/V go to slots `write`
 // (rows write_src, where given) of k_pool/v_pool [layers, blocks, block, KVH, D]; row r attends
-// over idx[offs[r]:offs[r+1]]. dims = (heads, kv heads, head dim). Returns x after the last
-// layer and, for each layer in `capture`, the residual stream entering it.
+// over idx[offs[r]:offs[r+1]]. dims = (heads, kv heads, head dim). `fused`: norms, RoPE and
+// SiLU-mul through layer_ops.cpp (Model.fused_ops, which the Python loop follows too). Returns x
+// after the last layer and, for each layer in `capture`, the residual stream entering it.
 std::tuple<at::Tensor, std::vector<at::Tensor>> layer_stack(
     at::Tensor x, at::TensorList norms, at::TensorList w,
     const c10::List<std::optional<at::Tensor>>& s, const c10::List<std::optional<at::Tensor>>& b,
     at::IntArrayRef kinds, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
     const at::Tensor& v_pool, const at::Tensor& write, const std::optional<at::Tensor>& write_src,
     const at::Tensor& idx, const at::Tensor& offs, at::IntArrayRef dims, double eps,
-    double scale, at::IntArrayRef capture) {
+    double scale, at::IntArrayRef capture, bool fused) {
   const int64_t L = (int64_t)norms.size() / 2;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "layer_stack: x [T, hidden] float32");
   TORCH_CHECK((int64_t)w.size() == 4 * L && (int64_t)s.size() == 4 * L &&
@@ -147,6 +149,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> layer_stack(
   const int64_t T = x.size(0), H = dims[0], KVH = dims[1], D = dims[2];
   const int64_t nq = H * D, nqk = (H + KVH) * D, n = H + KVH;
   const std::vector<int64_t> hidden{x.size(1)};
+  const auto norm = [&](const at::Tensor& a, const at::Tensor& w) {
+    return fused ? fused_rms_norm(a, w, eps) : at::rms_norm(a, hidden, w, eps);
+  };
   std::vector<at::Tensor> kept;
   for (int64_t i = 0; i < L; ++i) {
     for (auto c : capture)
@@ -157,21 +162,33 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> layer_stack(
                                     b3 = b[4 * i + 3];
     const Lin qkv_l{kinds[0], w[4 * i], s0, b0}, o_l{kinds[1], w[4 * i + 1], s1, b1},
         gu_l{kinds[2], w[4 * i + 2], s2, b2}, down_l{kinds[3], w[4 * i + 3], s3, b3};
-    auto h = at::rms_norm(x, hidden, norms[2 * i], eps);
-    auto qkv = apply(qkv_l, h);                                   // [T, (H + 2 KVH) D]
-    // apply_rope: x * cos + flip_halves(x) * sin_signed
-    auto qk_in = qkv.slice(1, 0, nqk).view({T, n, D});
-    auto rot = qk_in.view({T, n, 2, D / 2}).flip({2}).view({T, n, D});
-    auto qk = at::addcmul(qk_in * cos, rot, sin);
-    auto q = qk.slice(1, 0, H), k = qk.slice(1, H, n);
+    auto qkv = apply(qkv_l, norm(x, norms[2 * i]));              // [T, (H + 2 KVH) D]
+    at::Tensor q, k;
+    if (fused) {
+      fused_rope_(qkv, cos, sin, n, D);
+      q = qkv.slice(1, 0, nq).view({T, H, D});
+      k = qkv.slice(1, nq, nqk).view({T, KVH, D});
+    } else {
+      // apply_rope: x * cos + flip_halves(x) * sin_signed
+      auto qk_in = qkv.slice(1, 0, nqk).view({T, n, D});
+      auto rot = qk_in.view({T, n, 2, D / 2}).flip({2}).view({T, n, D});
+      auto qk = at::addcmul(qk_in * cos, rot, sin);
+      q = qk.slice(1, 0, H);
+      k = qk.slice(1, H, n);
+    }
     auto v = qkv.slice(1, nqk, qkv.size(1)).view({T, KVH, D});
     auto kf = k_pool.select(0, i).view({-1, KVH, D}), vf = v_pool.select(0, i).view({-1, KVH, D});
     kf.index_copy_(0, write, write_src ? k.index_select(0, *write_src) : k);
     vf.index_copy_(0, write, write_src ? v.index_select(0, *write_src) : v);
     auto a = slot_attention(q, kf, vf, idx, offs, scale);
     x = add_to(o_l, x, a.reshape({T, nq}));
-    auto gu = apply(gu_l, at::rms_norm(x, hidden, norms[2 * i + 1], eps)).chunk(2, -1);
-    x = add_to(down_l, x, at::silu(gu[0]) * gu[1]);
+    auto gu = apply(gu_l, norm(x, norms[2 * i + 1]));
+    if (fused) {
+      x = add_to(down_l, x, fused_silu_mul(gu));
+    } else {
+      auto parts = gu.chunk(2, -1);
+      x = add_to(down_l, x, at::silu(parts[0]) * parts[1]);
+    }
   }
   return {x, kept};
 }
@@ -179,7 +196,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> layer_stack(
 TORCH_LIBRARY_FRAGMENT(specfork, m) {
   m.def("layer_stack(Tensor x, Tensor[] norms, Tensor[] w, Tensor?[] s, Tensor?[] b, int[] kinds, "
         "Tensor cos, Tensor sin, Tensor k_pool, Tensor v_pool, Tensor write, Tensor? write_src, "
-        "Tensor idx, Tensor offs, int[] dims, float eps, float scale, int[] capture) "
+        "Tensor idx, Tensor offs, int[] dims, float eps, float scale, int[] capture, bool fused) "
         "-> (Tensor, Tensor[])",
         &layer_stack);    // any backend key: packed bf16 weights are MkldnnCPU tensors
 }

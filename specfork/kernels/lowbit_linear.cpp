@@ -34,6 +34,14 @@ constexpr int64_t GROUP = 32;   // inputs per scale/offset (GGUF's Q4_1 block)
 
 #ifdef SPECFORK_LOWBIT
 
+// A product's value plus its bias and residual where given, in QuantLinear's order ((y + b) + x).
+inline float finish(float v, const float* bias, const float* res, int64_t t, int64_t N,
+                    int64_t n) {
+  if (bias) v += bias[n];
+  if (res) v += res[t * N + n];
+  return v;
+}
+
 // 4-bit, rows t0..t0+NT of outputs n..n+NO: w4 [N, K/2] bytes, group g of 32 inputs in bytes
 // 16g..16g+15, byte j holding input 32g + j in its low nibble and 32g + 16 + j in its high one;
 // sz [N, K/32, 2] float16 (scale, offset: GGUF Q4_1's d and m): w = fma(q, scale, offset), each
@@ -41,7 +49,7 @@ constexpr int64_t GROUP = 32;   // inputs per scale/offset (GGUF's Q4_1 block)
 // multiply-add units busy; the next tile's bytes are prefetched as this one's are read.
 template <int NT, int NO>
 void int4_tile(const float* x, int64_t t0, int64_t K, const uint8_t* w4, const uint16_t* sz,
-               float* y, int64_t N, int64_t n) {
+               const float* bias, const float* res, float* y, int64_t N, int64_t n) {
   constexpr int64_t PASS = 64;                      // groups whose scales are widened at once
   const int64_t G = K / GROUP;
   const __m512i low4 = _mm512_set1_epi32(15);
@@ -61,6 +69,11 @@ void int4_tile(const float* x, int64_t t0, int64_t K, const uint8_t* w4, const u
       }
     for (int64_t g = g0; g < g0 + gn; ++g) {
       if (t0 == 0) _mm_prefetch(next + 16 * NO * g, _MM_HINT_T0);
+      __m512 xa[NT], xb[NT];
+      for (int r = 0; r < NT; ++r) {
+        xa[r] = _mm512_loadu_ps(x + (t0 + r) * K + GROUP * g);
+        xb[r] = _mm512_loadu_ps(x + (t0 + r) * K + GROUP * g + 16);
+      }
       for (int o = 0; o < NO; ++o) {
         const __m512i codes = _mm512_cvtepu8_epi32(
             _mm_loadu_si128((const __m128i*)(w4 + (n + o) * (K / 2) + 16 * g)));
@@ -69,22 +82,23 @@ void int4_tile(const float* x, int64_t t0, int64_t K, const uint8_t* w4, const u
         const __m512 wa = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, low4)), s, z);
         const __m512 wb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), s, z);
         for (int r = 0; r < NT; ++r) {
-          const float* xr = x + (t0 + r) * K + GROUP * g;
-          acc[r][o] = _mm512_fmadd_ps(wa, _mm512_loadu_ps(xr), acc[r][o]);
-          acc[r][o] = _mm512_fmadd_ps(wb, _mm512_loadu_ps(xr + 16), acc[r][o]);
+          acc[r][o] = _mm512_fmadd_ps(wa, xa[r], acc[r][o]);
+          acc[r][o] = _mm512_fmadd_ps(wb, xb[r], acc[r][o]);
         }
       }
     }
   }
   for (int r = 0; r < NT; ++r)
-    for (int o = 0; o < NO; ++o) y[(t0 + r) * N + n + o] = _mm512_reduce_add_ps(acc[r][o]);
+    for (int o = 0; o < NO; ++o)
+      y[(t0 + r) * N + n + o] = finish(_mm512_reduce_add_ps(acc[r][o]), bias, res, t0 + r, N,
+                                       n + o);
 }
 
 // 8-bit, rows t0..t0+NT of outputs n..n+NO: w8 [N, K] int8, scale [N] float32, w = q * scale
 // (the scale multiplies the finished sum); prefetching as the 4-bit tile does.
 template <int NT, int NO>
 void int8_tile(const float* x, int64_t t0, int64_t K, const int8_t* w8, const float* scale,
-               float* y, int64_t N, int64_t n) {
+               const float* bias, const float* res, float* y, int64_t N, int64_t n) {
   __m512 acc[NT][NO];
   for (int r = 0; r < NT; ++r)
     for (int o = 0; o < NO; ++o) acc[r][o] = _mm512_setzero_ps();
@@ -102,11 +116,12 @@ void int8_tile(const float* x, int64_t t0, int64_t K, const int8_t* w8, const fl
   }
   for (int r = 0; r < NT; ++r)
     for (int o = 0; o < NO; ++o)
-      y[(t0 + r) * N + n + o] = _mm512_reduce_add_ps(acc[r][o]) * scale[n + o];
+      y[(t0 + r) * N + n + o] = finish(_mm512_reduce_add_ps(acc[r][o]) * scale[n + o], bias, res,
+                                       t0 + r, N, n + o);
 }
 
-// Outputs n0..n1 for all T rows in tiles of 1 row x 4 outputs, 2 x 4, or 3-4 rows x 2 outputs
-// (a tail output alone): f.operator()<rows, outputs>(first row, first output).
+// Outputs n0..n1 for all T rows in tiles of up to 4 rows x 4 outputs (a tail output alone):
+// f.operator()<rows, outputs>(first row, first output).
 template <class F>
 void tiles(int64_t T, int64_t n0, int64_t n1, F f) {
   for (int64_t n = n0; n < n1;) {
@@ -116,8 +131,8 @@ void tiles(int64_t T, int64_t n0, int64_t n1, F f) {
       switch (four ? nt : nt + 4) {
         case 1: f.template operator()<1, 4>(t0, n); break;
         case 2: f.template operator()<2, 4>(t0, n); break;
-        case 3: f.template operator()<3, 2>(t0, n); f.template operator()<3, 2>(t0, n + 2); break;
-        case 4: f.template operator()<4, 2>(t0, n); f.template operator()<4, 2>(t0, n + 2); break;
+        case 3: f.template operator()<3, 4>(t0, n); break;
+        case 4: f.template operator()<4, 4>(t0, n); break;
         case 5: f.template operator()<1, 1>(t0, n); break;
         case 6: f.template operator()<2, 1>(t0, n); break;
         case 7: f.template operator()<3, 1>(t0, n); break;
@@ -130,16 +145,18 @@ void tiles(int64_t T, int64_t n0, int64_t n1, F f) {
 }
 
 void int4_rows(const float* x, int64_t T, int64_t K, const uint8_t* w4, const uint16_t* sz,
-               int64_t n0, int64_t n1, float* y, int64_t N) {
+               const float* bias, const float* res, int64_t n0, int64_t n1, float* y,
+               int64_t N) {
   tiles(T, n0, n1, [&]<int NT, int NO>(int64_t t0, int64_t n) {
-    int4_tile<NT, NO>(x, t0, K, w4, sz, y, N, n);
+    int4_tile<NT, NO>(x, t0, K, w4, sz, bias, res, y, N, n);
   });
 }
 
 void int8_rows(const float* x, int64_t T, int64_t K, const int8_t* w8, const float* scale,
-               int64_t n0, int64_t n1, float* y, int64_t N) {
+               const float* bias, const float* res, int64_t n0, int64_t n1, float* y,
+               int64_t N) {
   tiles(T, n0, n1, [&]<int NT, int NO>(int64_t t0, int64_t n) {
-    int8_tile<NT, NO>(x, t0, K, w8, scale, y, N, n);
+    int8_tile<NT, NO>(x, t0, K, w8, scale, bias, res, y, N, n);
   });
 }
 
@@ -182,20 +199,30 @@ at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
                 "lowbit_linear: 8-bit weights [N, K] int8, scales [N] float32");
   }
   const auto xc = x.contiguous();
+  at::Tensor bc, rc;
+  if (bias) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == N, "lowbit_linear: bias [N]");
+  }
+  if (residual) {
+    rc = residual->contiguous();
+    TORCH_CHECK(rc.scalar_type() == at::kFloat && rc.dim() == 2 && rc.size(0) == T &&
+                    rc.size(1) == N, "lowbit_linear: residual [T, N] float32");
+  }
   auto y = at::empty({T, N}, x.options());
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max<int64_t>(16, (N + threads - 1) / threads);
   const float* xp = xc.data_ptr<float>();
+  const float* bp = bias ? bc.data_ptr<float>() : nullptr;
+  const float* rp = residual ? rc.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     if (bits == 4)
-      int4_rows(xp, T, K, w.data_ptr<uint8_t>(), (const uint16_t*)s.data_ptr<at::Half>(), n0, n1,
-                yp, N);
+      int4_rows(xp, T, K, w.data_ptr<uint8_t>(), (const uint16_t*)s.data_ptr<at::Half>(), bp, rp,
+                n0, n1, yp, N);
     else
-      int8_rows(xp, T, K, w.data_ptr<int8_t>(), s.data_ptr<float>(), n0, n1, yp, N);
+      int8_rows(xp, T, K, w.data_ptr<int8_t>(), s.data_ptr<float>(), bp, rp, n0, n1, yp, N);
   });
-  if (bias) y.add_(*bias);
-  if (residual) y.add_(*residual);
   return y;
 #endif
 }

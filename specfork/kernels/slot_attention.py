@@ -26,12 +26,16 @@ from pathlib import Path
 import torch
 
 SRC = Path(__file__).with_suffix(".cpp")
-# one library: the slot op, the low-bit matmuls (lowbit_linear.cpp), the decoder-layer loop that
-# calls both (layer_stack.cpp) and their headers
-SOURCES = [SRC, SRC.with_name("lowbit_linear.cpp"), SRC.with_name("layer_stack.cpp")]
-HEADERS = [SRC.with_suffix(".h"), SRC.with_name("lowbit_linear.h")]
-# -fopenmp: at::parallel_for splits work over torch's threads only where OpenMP is compiled in
-FLAGS = ["-O3", "-march=native", "-fopenmp"]
+# one library: the slot op, the low-bit matmuls (lowbit_linear.cpp), the fused small ops
+# (layer_ops.cpp), the decoder-layer loop that calls them (layer_stack.cpp) and their headers
+SOURCES = [SRC] + [SRC.with_name(f) for f in ("lowbit_linear.cpp", "layer_ops.cpp",
+                                               "layer_stack.cpp")]
+HEADERS = [SRC.with_suffix(".h")] + [SRC.with_name(f) for f in ("lowbit_linear.h", "layer_ops.h",
+                                                                  "vec_math.h")]
+# -fopenmp: at::parallel_for splits work over torch's threads only where OpenMP is compiled in;
+# -ffp-contract=off: only the FMAs the code asks for, so a row's bits cannot depend on how the
+# compiler inlined the call it came through (tile shapes, Python or layer loop)
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 _LOCK = threading.Lock()
 _OPS: list = []                     # [torch.ops.specfork or None] once tried
 
