@@ -45,14 +45,15 @@ inline float finish(float v, const float* bias, const float* res, int64_t t, int
 // 4-bit, rows t0..t0+NT of outputs n..n+NO: w4 [N, K/2] bytes, group g of 32 inputs in bytes
 // 16g..16g+15, byte j holding input 32g + j in its low nibble and 32g + 16 + j in its high one;
 // sz [N, K/32, 2] float16 (scale, offset: GGUF Q4_1's d and m): w = fma(q, scale, offset), each
-// weight dequantized once per tile and shared by its rows. NT x NO accumulators keep the
-// multiply-add units busy; the next tile's bytes are prefetched as this one's are read.
+// weight dequantized once per tile (a 16-value table per group) and shared by its rows. NT x NO
+// accumulators keep the multiply-add units busy; the next tile's bytes are prefetched as this
+// one's are read.
 template <int NT, int NO>
 void int4_tile(const float* x, int64_t t0, int64_t K, const uint8_t* w4, const uint16_t* sz,
                const float* bias, const float* res, float* y, int64_t N, int64_t n) {
   constexpr int64_t PASS = 64;                      // groups whose scales are widened at once
   const int64_t G = K / GROUP;
-  const __m512i low4 = _mm512_set1_epi32(15);
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const char* next = (const char*)(w4 + std::min(n + NO, N - 1) * (K / 2));
   alignas(64) float sf[NO][2 * PASS];
   __m512 acc[NT][NO];
@@ -79,8 +80,11 @@ void int4_tile(const float* x, int64_t t0, int64_t K, const uint8_t* w4, const u
             _mm_loadu_si128((const __m128i*)(w4 + (n + o) * (K / 2) + 16 * g)));
         const __m512 s = _mm512_set1_ps(sf[o][2 * (g - g0)]),
                      z = _mm512_set1_ps(sf[o][2 * (g - g0) + 1]);
-        const __m512 wa = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, low4)), s, z);
-        const __m512 wb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), s, z);
+        // the group's 16 values fma(q, d, m) once, then each code looks its value up (vpermps
+        // reads the low 4 bits of each lane: the low nibble as it is, the high one shifted down)
+        const __m512 table = _mm512_fmadd_ps(iota, s, z);
+        const __m512 wa = _mm512_permutexvar_ps(codes, table);
+        const __m512 wb = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
         for (int r = 0; r < NT; ++r) {
           acc[r][o] = _mm512_fmadd_ps(wa, xa[r], acc[r][o]);
           acc[r][o] = _mm512_fmadd_ps(wb, xb[r], acc[r][o]);
