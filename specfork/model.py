@@ -175,7 +175,8 @@ def rope_tables(rotary, ref: torch.Tensor, positions: torch.Tensor):
 
 
 # How `layer_stack.cpp` runs each matmul: the call Linear / QuantLinear would make
-LINEAR, PACKED, PACKED_BLOCKS, BF16_LINEAR, BF16_PACKED, INT8, INT4, LOWBIT4, LOWBIT8 = range(9)
+(LINEAR, PACKED, PACKED_BLOCKS, BF16_LINEAR, BF16_PACKED, INT8, INT4, LOWBIT4, LOWBIT8,
+ LOWBIT16) = range(10)
 MATMULS = ("qkv", "o", "gate_up", "down")
 
 
@@ -183,7 +184,7 @@ def _stack_kind(lin, rows: int) -> tuple[int, torch.Tensor, torch.Tensor | None]
     """(kind, the tensor it multiplies by, scales) of one matmul over `rows` non-prompt rows."""
     if isinstance(lin, QuantLinear):
         if lin.bits:
-            return (LOWBIT4 if lin.bits == 4 else LOWBIT8), lin.w, lin.s
+            return {4: LOWBIT4, 8: LOWBIT8, 16: LOWBIT16}[lin.bits], lin.w, lin.s
         if lin.fmt == "bfloat16":
             return ((BF16_LINEAR, lin.w, None) if lin.packed is None
                     else (BF16_PACKED, lin.packed, None))

@@ -83,7 +83,7 @@ class QuantLinear:
             raise SpecforkError(f"--weights {fmt}: only on a CPU for now (use --dtype on GPU)")
         self.fmt, self.b, self.out_features = fmt, b, w.shape[0]
         self.s = self.packed = None
-        self.bits = 0                      # 4 or 8: specfork's kernel runs this matmul
+        self.bits = 0                      # 4, 8 or 16: specfork's kernel runs this matmul
         w = w.detach().float()
         if fmt in ("int8", "int4") and w.shape[1] % GROUP == 0 and native():
             self.bits = 8 if fmt == "int8" else 4
@@ -96,7 +96,9 @@ class QuantLinear:
             return
         if fmt == "bfloat16":
             self.w = w.bfloat16()
-            if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            if w.shape[1] % GROUP == 0 and native():
+                self.bits, self.s = 16, torch.empty(0)     # our kernel: decode and tree rows
+            if torch.ops.mkldnn._is_mkldnn_bf16_supported():   # prompt rows (and the rest)
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.w, 8)
         elif fmt == "int8":
             self.w, self.s = quantize_int8(w, absmax)
@@ -114,7 +116,7 @@ class QuantLinear:
         """The int8/int4 kernels give a row the same bits in any call; the packed bf16 one
         only within calls of one size, so rows other than prompt rows (`bulk`) go through it
         in EXACT_ROWS-row calls."""
-        if self.bits:
+        if self.bits and not (bulk and self.bits == 16 and self.packed is not None):
             return torch.ops.specfork.lowbit_linear(x, self.w, self.s, self.bits, self.b, None)
         xb = x.to(torch.bfloat16)
         if self.fmt == "bfloat16":
@@ -134,9 +136,9 @@ class QuantLinear:
 
     def add_to(self, x: torch.Tensor, a: torch.Tensor, bulk: bool = False) -> torch.Tensor:
         """x + self(a) (the residual add)."""
-        if self.bits:
+        if self.bits and not (bulk and self.bits == 16 and self.packed is not None):
             return torch.ops.specfork.lowbit_linear(a, self.w, self.s, self.bits, self.b, x)
-        return self(a).add_(x)
+        return self(a, bulk).add_(x)
 
     @property
     def nbytes(self) -> int:

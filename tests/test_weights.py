@@ -50,7 +50,7 @@ def test_our_int4_kernel_finds_a_q4_1_grid_exactly_and_multiplies_by_it():
 
 
 @needs_native
-@pytest.mark.parametrize("fmt", ("int8", "int4"))
+@pytest.mark.parametrize("fmt", ("bfloat16", "int8", "int4"))
 def test_our_kernel_gives_a_row_the_same_bits_in_any_call(fmt):
     """Whatever the row count (1..19: every tile shape and tail), the row's place, the
     thread count, or a fused residual and bias: a row gets the same bits."""

@@ -31,6 +31,7 @@ enum Kind : int64_t {
   INT4 = 6,           // _weight_int4pack_mm_for_cpu, groups of 32
   LOWBIT4 = 7,        // lowbit_linear.cpp, 4-bit
   LOWBIT8 = 8,        // lowbit_linear.cpp, 8-bit
+  LOWBIT16 = 9,       // lowbit_linear.cpp, bf16
 };
 constexpr int64_t EXACT_ROWS = 8;   // specfork/weights.py
 constexpr int64_t GROUP = 32;
@@ -91,6 +92,7 @@ at::Tensor apply(const Lin& l, const at::Tensor& x) {
         return pointwise(a, l.w, l.b); }, x);
     case LOWBIT4: return lowbit_linear(x, l.w, *l.s, 4, l.b, std::nullopt);
     case LOWBIT8: return lowbit_linear(x, l.w, *l.s, 8, l.b, std::nullopt);
+    case LOWBIT16: return lowbit_linear(x, l.w, at::Tensor(), 16, l.b, std::nullopt);
     default: break;
   }
   const auto xb = x.to(at::kBFloat16);
@@ -119,6 +121,7 @@ at::Tensor add_to(const Lin& l, const at::Tensor& x, const at::Tensor& a) {
         return pointwise_add(ai, xi, l.w, l.b); }, a, x);
     case LOWBIT4: return lowbit_linear(a, l.w, *l.s, 4, l.b, x);
     case LOWBIT8: return lowbit_linear(a, l.w, *l.s, 8, l.b, x);
+    case LOWBIT16: return lowbit_linear(a, l.w, at::Tensor(), 16, l.b, x);
     default: return apply(l, a).add_(x);
   }
 }

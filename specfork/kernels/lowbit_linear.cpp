@@ -1,4 +1,5 @@
-// Weight-only low-bit matmuls for few rows (CPU): y = x @ dequant(w).T (+ bias) (+ residual).
+// Weight-only low-bit matmuls for few rows (CPU, int4 / int8 / bf16 weights): y = x @ dequant(w).T
+// (+ bias) (+ residual).
 //
 // Why: a decode step reads every weight once, so its matmuls should run at the memory's read
 // bandwidth. torch's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` reach about 0.3 of
@@ -98,30 +99,42 @@ void int4_tile(const float* x, int64_t t0, int64_t K, const uint8_t* w4, const u
                                        n + o);
 }
 
-// 8-bit, rows t0..t0+NT of outputs n..n+NO: w8 [N, K] int8, scale [N] float32, w = q * scale
-// (the scale multiplies the finished sum); prefetching as the 4-bit tile does.
-template <int NT, int NO>
-void int8_tile(const float* x, int64_t t0, int64_t K, const int8_t* w8, const float* scale,
+// 16 weights widened to float32: int8 exactly, bf16 by its bits.
+inline __m512 widen(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
+}
+inline __m512 widen(const uint16_t* w) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)w)), 16));
+}
+
+// 8- and 16-bit, rows t0..t0+NT of outputs n..n+NO: w [N, K] int8 with scale [N] float32 (w = q *
+// scale; the scale multiplies the finished sum), or bf16 (scale null); prefetching as the 4-bit
+// tile does.
+template <int NT, int NO, class W>
+void wide_tile(const float* x, int64_t t0, int64_t K, const W* w, const float* scale,
                const float* bias, const float* res, float* y, int64_t N, int64_t n) {
+  constexpr int64_t LINE = 64 / sizeof(W);            // weights per cache line
   __m512 acc[NT][NO];
   for (int r = 0; r < NT; ++r)
     for (int o = 0; o < NO; ++o) acc[r][o] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
-    if (t0 == 0 && k % 64 == 0)                       // the next tile's rows, a line at a time
+    if (t0 == 0 && k % LINE == 0)                     // the next tile's rows, a line at a time
       for (int o = 0; o < NO; ++o)
-        _mm_prefetch((const char*)(w8 + std::min(n + NO + o, N - 1) * K + k), _MM_HINT_T0);
+        _mm_prefetch((const char*)(w + std::min(n + NO + o, N - 1) * K + k), _MM_HINT_T0);
     __m512 xr[NT];
     for (int r = 0; r < NT; ++r) xr[r] = _mm512_loadu_ps(x + (t0 + r) * K + k);
     for (int o = 0; o < NO; ++o) {
-      const __m512 wq = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w8 + (n + o) * K + k))));
-      for (int r = 0; r < NT; ++r) acc[r][o] = _mm512_fmadd_ps(wq, xr[r], acc[r][o]);
+      const __m512 wf = widen(w + (n + o) * K + k);
+      for (int r = 0; r < NT; ++r) acc[r][o] = _mm512_fmadd_ps(wf, xr[r], acc[r][o]);
     }
   }
   for (int r = 0; r < NT; ++r)
-    for (int o = 0; o < NO; ++o)
-      y[(t0 + r) * N + n + o] = finish(_mm512_reduce_add_ps(acc[r][o]) * scale[n + o], bias, res,
-                                       t0 + r, N, n + o);
+    for (int o = 0; o < NO; ++o) {
+      float v = _mm512_reduce_add_ps(acc[r][o]);
+      if (scale) v *= scale[n + o];
+      y[(t0 + r) * N + n + o] = finish(v, bias, res, t0 + r, N, n + o);
+    }
 }
 
 // Outputs n0..n1 for all T rows in tiles of up to 4 rows x 4 outputs (a tail output alone):
@@ -156,11 +169,12 @@ void int4_rows(const float* x, int64_t T, int64_t K, const uint8_t* w4, const ui
   });
 }
 
-void int8_rows(const float* x, int64_t T, int64_t K, const int8_t* w8, const float* scale,
+template <class W>
+void wide_rows(const float* x, int64_t T, int64_t K, const W* w, const float* scale,
                const float* bias, const float* res, int64_t n0, int64_t n1, float* y,
                int64_t N) {
   tiles(T, n0, n1, [&]<int NT, int NO>(int64_t t0, int64_t n) {
-    int8_tile<NT, NO>(x, t0, K, w8, scale, bias, res, y, N, n);
+    wide_tile<NT, NO, W>(x, t0, K, w, scale, bias, res, y, N, n);
   });
 }
 
@@ -177,7 +191,7 @@ bool lowbit_native() {
 }
 
 // x [T, K] float32; bits 4: w uint8 [N, K/2], s float16 [N, K/32, 2] (scale, offset per group);
-// bits 8: w int8 [N, K], s float32 [N]. Returns [T, N] float32, plus bias [N] and residual [T, N]
+// bits 8: w int8 [N, K], s float32 [N]; bits 16: w bfloat16 [N, K], s unused. Returns [T, N] float32, plus bias [N] and residual [T, N]
 // where given (added after the product, as QuantLinear's `y.add_(b)` then `+ x`).
 at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
                          int64_t bits, const std::optional<at::Tensor>& bias,
@@ -188,19 +202,23 @@ at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
   // profilers see it under its own name when layer_stack.cpp calls it directly
   RECORD_FUNCTION("specfork::lowbit_linear", std::vector<c10::IValue>());
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "lowbit_linear: x [T, K] float32");
-  TORCH_CHECK(bits == 4 || bits == 8, "lowbit_linear: bits 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 8 || bits == 16, "lowbit_linear: bits 4, 8 or 16");
   const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(K % GROUP == 0, "lowbit_linear: inputs a multiple of ", GROUP);
-  TORCH_CHECK(s.is_contiguous() && w.is_contiguous(), "lowbit_linear: contiguous weights, scales");
+  TORCH_CHECK(w.is_contiguous() && (bits == 16 || s.is_contiguous()),
+              "lowbit_linear: contiguous weights, scales");
   if (bits == 4) {
     TORCH_CHECK(w.scalar_type() == at::kByte && w.size(1) == K / 2 && s.dim() == 3 &&
                     s.scalar_type() == at::kHalf &&
                     s.size(0) == N && s.size(1) == K / GROUP && s.size(2) == 2,
                 "lowbit_linear: 4-bit weights [N, K/2] uint8, scales [N, K/32, 2] float16");
-  } else {
+  } else if (bits == 8) {
     TORCH_CHECK(w.scalar_type() == at::kChar && w.size(1) == K && s.numel() == N &&
                     s.scalar_type() == at::kFloat,
                 "lowbit_linear: 8-bit weights [N, K] int8, scales [N] float32");
+  } else {
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(1) == K,
+                "lowbit_linear: 16-bit weights [N, K] bfloat16");
   }
   const auto xc = x.contiguous();
   at::Tensor bc, rc;
@@ -224,8 +242,11 @@ at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
     if (bits == 4)
       int4_rows(xp, T, K, w.data_ptr<uint8_t>(), (const uint16_t*)s.data_ptr<at::Half>(), bp, rp,
                 n0, n1, yp, N);
+    else if (bits == 8)
+      wide_rows(xp, T, K, w.data_ptr<int8_t>(), s.data_ptr<float>(), bp, rp, n0, n1, yp, N);
     else
-      int8_rows(xp, T, K, w.data_ptr<int8_t>(), s.data_ptr<float>(), bp, rp, n0, n1, yp, N);
+      wide_rows(xp, T, K, (const uint16_t*)w.data_ptr<at::BFloat16>(), (const float*)nullptr, bp,
+                rp, n0, n1, yp, N);
   });
   return y;
 #endif
