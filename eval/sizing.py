@@ -45,8 +45,8 @@ def weight_bytes(rows: int, cols: int, fmt: str) -> float:
     if fmt == "bfloat16":
         return 2 * rows * cols
     if fmt == "int8":
-        return rows * cols + 2 * rows       # bf16 scale per output channel (fp32 in our kernel)
-    return rows * cols / 2 + rows * (cols // GROUP) * 4     # int4: 16-bit scale + offset/group
+        return rows * cols + rows * (cols // GROUP) * 2     # Q8_0: a 16-bit scale per group
+    return rows * cols / 2 + rows * (cols // GROUP) * 4     # Q4_1: 16-bit scale + offset/group
 
 
 def slot_bytes(kv_format: str, head_dim: int) -> int:

@@ -7,15 +7,17 @@ reads the weights once, so bytes per weight is what sets its time:
 
 - bfloat16: 2 bytes. On a CPU with bf16 matrix units the oneDNN-packed product (AMX) also makes
   a verify tree's extra rows nearly free.
-- int8: 1 byte; per output channel, w = q * s, s = absmax / 127.
-- int4: 0.5 byte + a scale and offset per group of 32 inputs: GGUF's Q4_1 blocks (w = q * d + m,
-  blocks of 32), so such blocks map one to one.
+- int8: 1 byte + a scale per group of 32 inputs: GGUF's Q8_0 blocks (w = q * d).
+- int4: 0.5 byte + a scale and offset per group of 32 inputs: GGUF's Q4_1 blocks (w = q * d + m).
 
 Two kernels. Where the CPU has AVX-512, specfork's own (`kernels/lowbit_linear.cpp`): float32
-activations, each weight dequantized to float32 (int4: w = q * d + m with d and m float16
-values, GGUF's, so the embedded target's Q4_1 layers are found again exactly), residual add
-and bias fused. Elsewhere torch's (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`): bf16
-activations and, for int4, w = (q - 8) * s + z with s = d and z = m + 8 d rounded to bf16.
+activations, each weight dequantized to float32 with d and m float16, as GGUF stores them, so
+weights that came from Q8_0 / Q4_1 blocks are found again exactly (the embedded target's Q4_1
+layers and its Q8_0 output layer: under int4 it multiplies by the file's own weights);
+residual add and bias fused; bf16 weights too (decode and tree rows). Elsewhere torch's
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`): bf16 activations, int8 per output
+channel (s = absmax / 127), and for int4 w = (q - 8) * s + z with s = d and z = m + 8 d rounded
+to bf16.
 
 Scales (and offsets) are rounded to their stored precision before the weights are quantized
 against them, so the kernel dequantizes exactly the values the rounding chose.
@@ -77,8 +79,9 @@ class QuantLinear:
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, fmt: str,
                  absmax: torch.Tensor | None = None):
-        """`absmax` (int8): per output channel, the whole row's when `w` holds some of its
-        columns (a tensor-parallel shard), so every rank quantizes on the one model's grid."""
+        """`absmax` (int8 on torch's kernel): per output channel, the whole row's when `w` holds
+        some of its columns (a tensor-parallel shard), so every rank quantizes on the one
+        model's grid (our kernel's blocks of 32 lie whole within a shard of a multiple of 32)."""
         if w.device.type != "cpu":
             raise SpecforkError(f"--weights {fmt}: only on a CPU for now (use --dtype on GPU)")
         self.fmt, self.b, self.out_features = fmt, b, w.shape[0]
@@ -87,9 +90,8 @@ class QuantLinear:
         w = w.detach().float()
         if fmt in ("int8", "int4") and w.shape[1] % GROUP == 0 and native():
             self.bits = 8 if fmt == "int8" else 4
-            if fmt == "int8":
-                self.w, s = quantize_int8(w, absmax)
-                self.s = s.float()
+            if fmt == "int8":          # blocks of 32 within a row: a shard's blocks are its own
+                self.w, self.s = quantize_q8(w)
             else:
                 q, self.s = quantize_q4(w)
                 self.w = pack_q4(q)
@@ -184,6 +186,16 @@ def quantize_q4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torc
     return q.view(N, K).to(torch.uint8), torch.stack((d, m), dim=-1).half().contiguous()
 
 
+def quantize_q8(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w [N, K]` -> (q int8 `[N, K]`, d float16 `[N, K / group]`), w ~ q * d per group:
+    d = absmax / 127 (GGUF's Q8_0)."""
+    N, K = w.shape
+    g = w.view(N, K // group, group)
+    d = (g.abs().amax(dim=-1) / 127).clamp_min(1e-7).half()
+    q = torch.round(g / d.float()[..., None]).clamp_(-127, 127)
+    return q.view(N, K).to(torch.int8), d.contiguous()
+
+
 def pack_q4(q: torch.Tensor, group: int = GROUP) -> torch.Tensor:
     """Codes `[N, K]` (0..15) -> `[N, K / 2]` bytes as `lowbit_linear.cpp` reads them: per group
     of 32, byte j holds input j in its low nibble and input 16 + j in its high one."""
@@ -203,6 +215,9 @@ def dequantize(lin: QuantLinear) -> torch.Tensor:
     """The fp32 weights `[N, K]` the kernel multiplies by (tests, error reports)."""
     if lin.fmt == "bfloat16":
         return lin.w.float()
+    if lin.bits == 8:
+        N = lin.w.shape[0]
+        return (lin.w.float().view(N, -1, GROUP) * lin.s.float()[..., None]).view(N, -1)
     if lin.fmt == "int8":
         return lin.w.float() * lin.s.float()[:, None]
     if lin.bits == 4:

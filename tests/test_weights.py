@@ -13,7 +13,8 @@ import torch
 from conftest import tiny_model, tree_and_steps
 from specfork.errors import SpecforkError
 from specfork.weights import (GROUP, QuantLinear, check_weights, dequantize, native, pack_q4,
-                              quantize_int4, quantize_int8, quantize_q4, resolve, unpack_q4)
+                              quantize_int4, quantize_int8, quantize_q4, quantize_q8, resolve,
+                              unpack_q4)
 
 LOW = ("bfloat16", "int8", "int4")
 
@@ -45,6 +46,25 @@ def test_our_int4_kernel_finds_a_q4_1_grid_exactly_and_multiplies_by_it():
     assert lin.bits == 4 and lin.w.shape == (N, K // 2)
     assert (dequantize(lin) - w).abs().max() < 1e-7
     x = torch.randn(5, K, generator=g)
+    torch.testing.assert_close(lin(x), (x.double() @ w.double().t()).float(), atol=1e-5,
+                               rtol=1e-5)
+
+
+@needs_native
+def test_our_int8_kernel_finds_a_q8_0_grid_exactly():
+    """Q8_0 blocks (w = q * d, d float16 as GGUF stores it) are held exactly: the embedded
+    target's output layer under int4 and int8 is the file's own."""
+    g = torch.Generator().manual_seed(13)
+    N, K = 24, 5 * GROUP
+    q = torch.randint(-127, 128, (N, K // GROUP, GROUP), generator=g)
+    q[..., 0] = 127
+    d = (torch.rand(N, K // GROUP, 1, generator=g) * 0.01 + 1e-3).half().float()
+    w = (q * d).view(N, K)
+    q2, d2 = quantize_q8(w)
+    assert torch.equal(q2.view_as(q), q.to(torch.int8)) and d2.dtype == torch.float16
+    lin = QuantLinear(w, None, "int8")
+    assert lin.bits == 8 and torch.equal(dequantize(lin), w)
+    x = torch.randn(3, K, generator=g)
     torch.testing.assert_close(lin(x), (x.double() @ w.double().t()).float(), atol=1e-5,
                                rtol=1e-5)
 

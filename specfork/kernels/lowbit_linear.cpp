@@ -4,11 +4,12 @@
 // Why: a decode step reads every weight once, so its matmuls should run at the memory's read
 // bandwidth. torch's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` reach about 0.3 of
 // it on one or a few rows here, and take bf16 activations (a cast each way per matmul). This
-// kernel dequantizes each weight once per tile of rows to float32 (int4: w = fma(q, d, m), the
-// block's float16 scale and offset) and multiplies float32 activations, 16 per instruction,
-// tiles of up to 4 rows x 4 outputs sharing each dequantized vector; the residual add and the
-// bias are fused. (bf16 dot products, `vdpbf16ps`, measured slower on the Sapphire Rapids here:
-// one per ~3.5 cycles against two float32 FMAs per cycle.)
+// kernel dequantizes each weight once per tile of rows to float32 and multiplies float32
+// activations, 16 per instruction, tiles of up to 4 rows x 4 outputs sharing each dequantized
+// vector; the residual add and the bias are fused. The block formats are GGUF's own: int4 is
+// Q4_1 (w = q * d + m per 32 weights) and int8 is Q8_0 (w = q * d), d and m float16, so weights
+// that came from such a file are held exactly. (bf16 dot products, `vdpbf16ps`, measured slower
+// on the Sapphire Rapids here: one per ~3.5 cycles against a float32 FMA per cycle.)
 //
 // Every (row, output) is computed by the same instructions in the same order whatever the row
 // count, the row's place in the call or the thread split (threads split the outputs), so a
@@ -43,49 +44,60 @@ inline float finish(float v, const float* bias, const float* res, int64_t t, int
   return v;
 }
 
-// 4-bit, rows t0..t0+NT of outputs n..n+NO: w4 [N, K/2] bytes, group g of 32 inputs in bytes
-// 16g..16g+15, byte j holding input 32g + j in its low nibble and 32g + 16 + j in its high one;
-// sz [N, K/32, 2] float16 (scale, offset: GGUF Q4_1's d and m): w = fma(q, scale, offset), each
-// weight dequantized once per tile (a 16-value table per group) and shared by its rows. NT x NO
-// accumulators keep the multiply-add units busy; the next tile's bytes are prefetched as this
-// one's are read.
-template <int NT, int NO>
-void int4_tile(const float* x, int64_t t0, int64_t K, const uint8_t* w4, const uint16_t* sz,
-               const float* bias, const float* res, float* y, int64_t N, int64_t n) {
+// Block formats, rows t0..t0+NT of outputs n..n+NO, groups of 32 inputs:
+// - 4-bit (GGUF Q4_1): w [N, K/2] bytes, group g in bytes 16g..16g+15, byte j holding input
+//   32g + j in its low nibble and 32g + 16 + j in its high one; sz [N, K/32, 2] float16 (scale d,
+//   offset m): w = fma(q, d, m), the group's 16 values computed once and looked up by code;
+// - 8-bit (GGUF Q8_0): w [N, K] int8, sz [N, K/32] float16 (scale d): w = q * d (exact in float32).
+// Each weight is dequantized once per tile and shared by its rows; NT x NO accumulators keep the
+// multiply-add units busy; the next tile's bytes are prefetched as this one's are read.
+template <int NT, int NO, int BITS>
+void group_tile(const float* x, int64_t t0, int64_t K, const uint8_t* w, const uint16_t* sz,
+                const float* bias, const float* res, float* y, int64_t N, int64_t n) {
   constexpr int64_t PASS = 64;                      // groups whose scales are widened at once
+  constexpr int64_t RB = BITS * GROUP / 8;          // bytes of a group's weights
+  constexpr int64_t SV = BITS == 4 ? 2 : 1;         // scale values per group
   const int64_t G = K / GROUP;
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const char* next = (const char*)(w4 + std::min(n + NO, N - 1) * (K / 2));
-  alignas(64) float sf[NO][2 * PASS];
+  const char* next = (const char*)(w + std::min(n + NO, N - 1) * RB * G);
+  alignas(64) float sf[NO][SV * PASS];
   __m512 acc[NT][NO];
   for (int r = 0; r < NT; ++r)
     for (int o = 0; o < NO; ++o) acc[r][o] = _mm512_setzero_ps();
   for (int64_t g0 = 0; g0 < G; g0 += PASS) {
     const int64_t gn = std::min(PASS, G - g0);
     for (int o = 0; o < NO; ++o)
-      for (int64_t i = 0; i < 2 * gn; i += 16) {
-        const __mmask16 m = 2 * gn - i >= 16 ? (__mmask16)0xFFFF
-                                             : (__mmask16)((1u << (2 * gn - i)) - 1);
+      for (int64_t i = 0; i < SV * gn; i += 16) {
+        const __mmask16 m = SV * gn - i >= 16 ? (__mmask16)0xFFFF
+                                              : (__mmask16)((1u << (SV * gn - i)) - 1);
         _mm512_store_ps(sf[o] + i, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
-            m, sz + ((n + o) * G + g0) * 2 + i)));
+            m, sz + ((n + o) * G + g0) * SV + i)));
       }
     for (int64_t g = g0; g < g0 + gn; ++g) {
-      if (t0 == 0) _mm_prefetch(next + 16 * NO * g, _MM_HINT_T0);
+      if (t0 == 0)
+        for (int64_t l = 0; l < RB * NO; l += 64) _mm_prefetch(next + RB * NO * g + l, _MM_HINT_T0);
       __m512 xa[NT], xb[NT];
       for (int r = 0; r < NT; ++r) {
         xa[r] = _mm512_loadu_ps(x + (t0 + r) * K + GROUP * g);
         xb[r] = _mm512_loadu_ps(x + (t0 + r) * K + GROUP * g + 16);
       }
       for (int o = 0; o < NO; ++o) {
-        const __m512i codes = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128((const __m128i*)(w4 + (n + o) * (K / 2) + 16 * g)));
-        const __m512 s = _mm512_set1_ps(sf[o][2 * (g - g0)]),
-                     z = _mm512_set1_ps(sf[o][2 * (g - g0) + 1]);
-        // the group's 16 values fma(q, d, m) once, then each code looks its value up (vpermps
-        // reads the low 4 bits of each lane: the low nibble as it is, the high one shifted down)
-        const __m512 table = _mm512_fmadd_ps(iota, s, z);
-        const __m512 wa = _mm512_permutexvar_ps(codes, table);
-        const __m512 wb = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
+        const uint8_t* wg = w + ((n + o) * G + g) * RB;
+        const __m512 s = _mm512_set1_ps(sf[o][SV * (g - g0)]);
+        __m512 wa, wb;
+        if constexpr (BITS == 4) {
+          const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)wg));
+          // vpermps reads the low 4 bits of each lane: the low nibble as it is, the high one
+          // shifted down
+          const __m512 table = _mm512_fmadd_ps(iota, s, _mm512_set1_ps(sf[o][2 * (g - g0) + 1]));
+          wa = _mm512_permutexvar_ps(codes, table);
+          wb = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
+        } else {
+          wa = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                 _mm_loadu_si128((const __m128i*)wg))), s);
+          wb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                 _mm_loadu_si128((const __m128i*)(wg + 16)))), s);
+        }
         for (int r = 0; r < NT; ++r) {
           acc[r][o] = _mm512_fmadd_ps(wa, xa[r], acc[r][o]);
           acc[r][o] = _mm512_fmadd_ps(wb, xb[r], acc[r][o]);
@@ -99,27 +111,21 @@ void int4_tile(const float* x, int64_t t0, int64_t K, const uint8_t* w4, const u
                                        n + o);
 }
 
-// 16 weights widened to float32: int8 exactly, bf16 by its bits.
-inline __m512 widen(const int8_t* w) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
-}
+// bf16 weights widened to float32 by their bits, 16 at a time.
 inline __m512 widen(const uint16_t* w) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)w)), 16));
 }
 
-// 8- and 16-bit, rows t0..t0+NT of outputs n..n+NO: w [N, K] int8 with scale [N] float32 (w = q *
-// scale; the scale multiplies the finished sum), or bf16 (scale null); prefetching as the 4-bit
-// tile does.
-template <int NT, int NO, class W>
-void wide_tile(const float* x, int64_t t0, int64_t K, const W* w, const float* scale,
-               const float* bias, const float* res, float* y, int64_t N, int64_t n) {
-  constexpr int64_t LINE = 64 / sizeof(W);            // weights per cache line
+// bf16, rows t0..t0+NT of outputs n..n+NO: w [N, K]; prefetching as the block formats do.
+template <int NT, int NO>
+void bf16_tile(const float* x, int64_t t0, int64_t K, const uint16_t* w, const float* bias,
+               const float* res, float* y, int64_t N, int64_t n) {
   __m512 acc[NT][NO];
   for (int r = 0; r < NT; ++r)
     for (int o = 0; o < NO; ++o) acc[r][o] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
-    if (t0 == 0 && k % LINE == 0)                     // the next tile's rows, a line at a time
+    if (t0 == 0 && k % 32 == 0)                       // the next tile's rows, a line at a time
       for (int o = 0; o < NO; ++o)
         _mm_prefetch((const char*)(w + std::min(n + NO + o, N - 1) * K + k), _MM_HINT_T0);
     __m512 xr[NT];
@@ -130,11 +136,9 @@ void wide_tile(const float* x, int64_t t0, int64_t K, const W* w, const float* s
     }
   }
   for (int r = 0; r < NT; ++r)
-    for (int o = 0; o < NO; ++o) {
-      float v = _mm512_reduce_add_ps(acc[r][o]);
-      if (scale) v *= scale[n + o];
-      y[(t0 + r) * N + n + o] = finish(v, bias, res, t0 + r, N, n + o);
-    }
+    for (int o = 0; o < NO; ++o)
+      y[(t0 + r) * N + n + o] = finish(_mm512_reduce_add_ps(acc[r][o]), bias, res, t0 + r, N,
+                                       n + o);
 }
 
 // Outputs n0..n1 for all T rows in tiles of up to 4 rows x 4 outputs (a tail output alone):
@@ -161,20 +165,19 @@ void tiles(int64_t T, int64_t n0, int64_t n1, F f) {
   }
 }
 
-void int4_rows(const float* x, int64_t T, int64_t K, const uint8_t* w4, const uint16_t* sz,
-               const float* bias, const float* res, int64_t n0, int64_t n1, float* y,
-               int64_t N) {
+template <int BITS>
+void group_rows(const float* x, int64_t T, int64_t K, const uint8_t* w, const uint16_t* sz,
+                const float* bias, const float* res, int64_t n0, int64_t n1, float* y,
+                int64_t N) {
   tiles(T, n0, n1, [&]<int NT, int NO>(int64_t t0, int64_t n) {
-    int4_tile<NT, NO>(x, t0, K, w4, sz, bias, res, y, N, n);
+    group_tile<NT, NO, BITS>(x, t0, K, w, sz, bias, res, y, N, n);
   });
 }
 
-template <class W>
-void wide_rows(const float* x, int64_t T, int64_t K, const W* w, const float* scale,
-               const float* bias, const float* res, int64_t n0, int64_t n1, float* y,
-               int64_t N) {
+void bf16_rows(const float* x, int64_t T, int64_t K, const uint16_t* w, const float* bias,
+               const float* res, int64_t n0, int64_t n1, float* y, int64_t N) {
   tiles(T, n0, n1, [&]<int NT, int NO>(int64_t t0, int64_t n) {
-    wide_tile<NT, NO, W>(x, t0, K, w, scale, bias, res, y, N, n);
+    bf16_tile<NT, NO>(x, t0, K, w, bias, res, y, N, n);
   });
 }
 
@@ -191,7 +194,7 @@ bool lowbit_native() {
 }
 
 // x [T, K] float32; bits 4: w uint8 [N, K/2], s float16 [N, K/32, 2] (scale, offset per group);
-// bits 8: w int8 [N, K], s float32 [N]; bits 16: w bfloat16 [N, K], s unused. Returns [T, N] float32, plus bias [N] and residual [T, N]
+// bits 8: w int8 [N, K], s float16 [N, K/32]; bits 16: w bfloat16 [N, K], s unused. Returns [T, N] float32, plus bias [N] and residual [T, N]
 // where given (added after the product, as QuantLinear's `y.add_(b)` then `+ x`).
 at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
                          int64_t bits, const std::optional<at::Tensor>& bias,
@@ -213,9 +216,9 @@ at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
                     s.size(0) == N && s.size(1) == K / GROUP && s.size(2) == 2,
                 "lowbit_linear: 4-bit weights [N, K/2] uint8, scales [N, K/32, 2] float16");
   } else if (bits == 8) {
-    TORCH_CHECK(w.scalar_type() == at::kChar && w.size(1) == K && s.numel() == N &&
-                    s.scalar_type() == at::kFloat,
-                "lowbit_linear: 8-bit weights [N, K] int8, scales [N] float32");
+    TORCH_CHECK(w.scalar_type() == at::kChar && w.size(1) == K && s.dim() == 2 &&
+                    s.scalar_type() == at::kHalf && s.size(0) == N && s.size(1) == K / GROUP,
+                "lowbit_linear: 8-bit weights [N, K] int8, scales [N, K/32] float16");
   } else {
     TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(1) == K,
                 "lowbit_linear: 16-bit weights [N, K] bfloat16");
@@ -240,13 +243,13 @@ at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     if (bits == 4)
-      int4_rows(xp, T, K, w.data_ptr<uint8_t>(), (const uint16_t*)s.data_ptr<at::Half>(), bp, rp,
-                n0, n1, yp, N);
+      group_rows<4>(xp, T, K, w.data_ptr<uint8_t>(), (const uint16_t*)s.data_ptr<at::Half>(), bp,
+                    rp, n0, n1, yp, N);
     else if (bits == 8)
-      wide_rows(xp, T, K, w.data_ptr<int8_t>(), s.data_ptr<float>(), bp, rp, n0, n1, yp, N);
+      group_rows<8>(xp, T, K, (const uint8_t*)w.data_ptr<int8_t>(),
+                    (const uint16_t*)s.data_ptr<at::Half>(), bp, rp, n0, n1, yp, N);
     else
-      wide_rows(xp, T, K, (const uint16_t*)w.data_ptr<at::BFloat16>(), (const float*)nullptr, bp,
-                rp, n0, n1, yp, N);
+      bf16_rows(xp, T, K, (const uint16_t*)w.data_ptr<at::BFloat16>(), bp, rp, n0, n1, yp, N);
   });
   return y;
 #endif
