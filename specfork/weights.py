@@ -115,9 +115,10 @@ class QuantLinear:
             raise SpecforkError(f"unknown weight format {fmt!r}")
 
     def __call__(self, x: torch.Tensor, bulk: bool = False) -> torch.Tensor:
-        """The int8/int4 kernels give a row the same bits in any call; the packed bf16 one
-        only within calls of one size, so rows other than prompt rows (`bulk`) go through it
-        in EXACT_ROWS-row calls."""
+        """Our kernel (`bits`) and torch's int8/int4 ones give a row the same bits in any call;
+        the packed bf16 one only within calls of one size, so where it serves rows other than
+        prompt rows (`bulk`: no AVX-512 here) they go through it in EXACT_ROWS-row calls. With
+        our kernel, bf16 prompt rows take the packed product (AMX), the rest our kernel."""
         if self.bits and not (bulk and self.bits == 16 and self.packed is not None):
             return torch.ops.specfork.lowbit_linear(x, self.w, self.s, self.bits, self.b, None)
         xb = x.to(torch.bfloat16)
