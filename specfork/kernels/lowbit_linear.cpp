@@ -32,7 +32,7 @@
 
 namespace {
 
-constexpr int64_t GROUP = 32;   // inputs per scale/offset (GGUF's Q4_1 block)
+constexpr int64_t GROUP = 32;   // inputs per scale (GGUF Q4_1 / Q8_0 blocks)
 
 #ifdef SPECFORK_LOWBIT
 
@@ -194,8 +194,8 @@ bool lowbit_native() {
 }
 
 // x [T, K] float32; bits 4: w uint8 [N, K/2], s float16 [N, K/32, 2] (scale, offset per group);
-// bits 8: w int8 [N, K], s float16 [N, K/32]; bits 16: w bfloat16 [N, K], s unused. Returns [T, N] float32, plus bias [N] and residual [T, N]
-// where given (added after the product, as QuantLinear's `y.add_(b)` then `+ x`).
+// bits 8: w int8 [N, K], s float16 [N, K/32]; bits 16: w bfloat16 [N, K], s unused. Returns
+// [T, N] float32, plus bias [N] and residual [T, N] where given (in that order: (y + b) + x).
 at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
                          int64_t bits, const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& residual) {
