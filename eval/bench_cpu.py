@@ -8,10 +8,11 @@ bandwidth limit.
   SmolLM2-135M-Instruct.Q4_1.gguf, greedy, fed our token ids; where it is not installed the row
   says so and the rest runs.
 - Ours: `--weights` float32, bfloat16, int8, int4; plain decoding and `--drafts N` (the default
-  mix, adaptive), as `specfork generate` runs them. float32 must equal HF greedy token for token
-  and its speculation plain decoding (else exit 1). Under a lower format the table counts the
-  prompts where speculation equals plain decoding: its bf16 rounding turns last-bit differences
-  between the decode and verify attention into flips at near-tied logits.
+  mix, adaptive), as `specfork generate` runs them, in turn on each prompt (the host's speed
+  drifts; the `--drafts` row gives speculation over plain decoding per prompt: median and worst
+  prompt). float32 must equal HF greedy token for token and its speculation plain decoding
+  (else exit 1); under a lower format the table counts the prompts where speculation equals
+  plain decoding.
 - Bandwidth limit: the bytes a decode step reads (every matmul's weights in its format, plus the
   KV cache at the mean context) over the read bandwidth measured here (`--bw-mib` of fp32
   summed, best of 5), as tokens/s; "of limit" is plain decoding's share of it.
@@ -210,17 +211,23 @@ def _run(a, fmts: list[str], command: str) -> int:
         out = run(ids)
         return out, time.perf_counter() - t
 
-    def add(key, name, run, **extra):
-        run(prompts[0]["ids"][:16])                               # warm-up
-        outs, speeds = [], []
+    def add(*engines):
+        """Rows for (key, name, run, extra) engines run in turn on each prompt (the host's
+        speed drifts, so engines compared with each other go prompt by prompt): their outputs
+        and per-prompt speeds."""
+        for _, _, run, _ in engines:
+            run(prompts[0]["ids"][:16])                           # warm-up
+        outs, speeds = [[] for _ in engines], [[] for _ in engines]
         for q in prompts:
-            out, wall = timed(run, q["ids"])
-            outs.append(out)
-            speeds.append(len(out) / wall)
-        rows.append({"key": key, "engine": name, "tok_s": round(statistics.median(speeds), 2),
-                     **extra})
-        print(f"{name:<40} {rows[-1]['tok_s']:7.1f} tok/s", file=sys.stderr, flush=True)
-        return outs
+            for i, (_, _, run, _) in enumerate(engines):
+                out, wall = timed(run, q["ids"])
+                outs[i].append(out)
+                speeds[i].append(len(out) / wall)
+        for (key, name, _, extra), sp in zip(engines, speeds):
+            rows.append({"key": key, "engine": name, "tok_s": round(statistics.median(sp), 2),
+                         **extra})
+            print(f"{name:<40} {rows[-1]['tok_s']:7.1f} tok/s", file=sys.stderr, flush=True)
+        return outs, speeds
 
     with torch.inference_mode():
         got, why = _llama_cpp([q["ids"] for q in prompts], n, torch.get_num_threads())
@@ -236,7 +243,8 @@ def _run(a, fmts: list[str], command: str) -> int:
             out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
                               do_sample=False, pad_token_id=eos[0])
             return out[0, len(ids):].tolist()
-        ref = add("hf_greedy", "HF generate greedy (fp32)", hf_run, weights="float32")
+        (ref,), _ = add(("hf_greedy", "HF generate greedy (fp32)", hf_run,
+                         {"weights": "float32"}))
         ref_logits = _logits(base.model, held)
         context = statistics.mean(len(q["ids"]) for q in prompts) + n / 2
         exact = {}
@@ -248,15 +256,19 @@ def _run(a, fmts: list[str], command: str) -> int:
             spec = SpecDecoder(m, tok, make_drafters(None, "smollm2-135m", m, a.drafts),
                                num_paths=a.drafts, adaptive=True)
             qual = {} if fmt == "float32" else _quality(_logits(m, held), ref_logits, held)
-            po = add(f"plain_{fmt}", f"ours plain, {fmt}",
-                     lambda ids: plain.generate(ids, max_new_tokens=n).token_ids,
-                     weights=fmt, bandwidth_limit_tok_s=round(limit, 1),
-                     step_mib=round(step_bytes(m, int(context)) / 2 ** 20, 1))
-            rows[-1]["of_limit"] = round(rows[-1]["tok_s"] / limit, 3)
-            so = add(f"spec_{fmt}", f"ours --drafts {a.drafts}, {fmt}",
-                     lambda ids: spec.generate(ids, max_new_tokens=n).token_ids, weights=fmt)
+            (po, so), (ps, ss) = add(
+                (f"plain_{fmt}", f"ours plain, {fmt}",
+                 lambda ids: plain.generate(ids, max_new_tokens=n).token_ids,
+                 {"weights": fmt, "bandwidth_limit_tok_s": round(limit, 1),
+                  "step_mib": round(step_bytes(m, int(context)) / 2 ** 20, 1)}),
+                (f"spec_{fmt}", f"ours --drafts {a.drafts}, {fmt}",
+                 lambda ids: spec.generate(ids, max_new_tokens=n).token_ids, {"weights": fmt}))
+            rows[-2]["of_limit"] = round(rows[-2]["tok_s"] / limit, 3)
             same_spec = [x == y for x, y in zip(so, po)]
             rows[-1]["spec_equals_plain"] = f"{sum(same_spec)}/{len(same_spec)}"
+            ratio = [x / y for x, y in zip(ss, ps)]        # the same prompt, one after the other
+            rows[-1]["vs_plain_median"] = round(statistics.median(ratio), 3)
+            rows[-1]["vs_plain_min"] = round(min(ratio), 3)
             if fmt == "float32":
                 exact["float32_spec_vs_plain"] = all(same_spec)
                 base_out = po
@@ -308,8 +320,9 @@ def markdown(res: dict) -> str:
              f"{c['read_bandwidth_gb_s']} GB/s; exact: {res['exact']}.", ""]
     lines += [f"- {x}" for x in res["notes"]] + ([""] if res["notes"] else [])
     lines += ["| engine | weights | tok/s | vs HF | vs llama.cpp | bandwidth limit | of limit | "
-              "ppl vs fp32 | top-1 agree | greedy prefix | spec = plain |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "ppl vs fp32 | top-1 agree | greedy prefix | spec = plain | spec / plain: median, "
+              "worst prompt |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(v, fmt="{:.2f}"):
         return "—" if v is None else fmt.format(v)
@@ -320,7 +333,9 @@ def markdown(res: dict) -> str:
                      f"{f(r.get('of_limit'))} | {f(r.get('ppl_ratio'), '{:.4f}')} | "
                      f"{f(r.get('top1_agreement'), '{:.3f}')} | "
                      f"{f(r.get('greedy_prefix_share'), '{:.2f}')} | "
-                     f"{r.get('spec_equals_plain', '—')} |")
+                     f"{r.get('spec_equals_plain', '—')} | "
+                     + (f"{r['vs_plain_median']:.2f}x, {r['vs_plain_min']:.2f}x |"
+                        if "vs_plain_median" in r else "— |"))
     return "\n".join(lines) + "\n"
 
 

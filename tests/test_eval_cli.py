@@ -129,6 +129,8 @@ def test_bench_cpu_end_to_end(tmp_path):
     q = by["plain_int4"]
     assert 0.97 < q["ppl_ratio"] < 1.03 and q["top1_agreement"] > 0.9
     assert q["bandwidth_limit_tok_s"] > by["plain_float32"]["bandwidth_limit_tok_s"] * 3
+    s = by["spec_int4"]                   # speculation over plain decoding, prompt by prompt
+    assert 0 < s["vs_plain_min"] <= s["vs_plain_median"] and s["spec_equals_plain"] == "2/2"
     assert stem.with_suffix(".png").is_file()
 
 
