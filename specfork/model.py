@@ -237,13 +237,14 @@ class Model:
         self.weights = resolve(weights, self.device)
         low = self.weights != "float32"
         # A stored K/V format other than the model's dtype (float16 or TurboQuant codes) turns
-        # last-bit differences into different stored values, and low-bit weights
-        # round every matmul to bf16: under either, a verify tree's token must be computed
-        # bit for bit as a decode step at its position would compute it, or greedy speculation
-        # drifts from plain decoding at near-ties. Its attention then reads row by row
+        # last-bit differences into different stored values, and low-bit weights round every
+        # matmul differently: under either, a verify tree's token must be computed bit for bit
+        # as a decode step at its position would compute it, or greedy speculation drifts from
+        # plain decoding at near-ties. Its attention then reads row by row
         # (specfork/attention.py), and every matmul with a decode or tree row in it (a batch of
-        # requests too) runs packed in calls of exactly EXACT_ROWS rows (`weights.row_blocks`),
-        # whatever the row count; prompt-only forwards (`bulk`) need not.
+        # requests too) gives a row the same bits in any call: specfork's low-bit kernel by
+        # construction, torch's packed bf16 one in calls of exactly EXACT_ROWS rows
+        # (`weights.row_blocks`); prompt-only forwards (`bulk`) need not.
         self.rows_exact = low or self.kv_codecs is not None
         if low:
             pack = False                           # the format's own copy replaces the packing

@@ -1,12 +1,9 @@
 """Weight formats for the target's matmuls: float32 (as loaded), bfloat16, int8 and int4.
 
 Weight-only: activations, norms, attention and the KV cache stay in the model's dtype (fp32 on
-a CPU); each matmul casts its input rows to bf16 (what torch's low-bit CPU kernels take: with
-fp32 activations they run 8-30x slower), multiplies, and casts the result back. A decode step
-reads the weights once, so bytes per weight is what sets its time:
+a CPU). A decode step reads the weights once, so bytes per weight is what sets its time:
 
-- bfloat16: 2 bytes. On a CPU with bf16 matrix units the oneDNN-packed product (AMX) also makes
-  a verify tree's extra rows nearly free.
+- bfloat16: 2 bytes; prompt rows take the oneDNN-packed product (AMX where the CPU has it).
 - int8: 1 byte + a scale per group of 32 inputs: GGUF's Q8_0 blocks (w = q * d).
 - int4: 0.5 byte + a scale and offset per group of 32 inputs: GGUF's Q4_1 blocks (w = q * d + m).
 
@@ -119,9 +116,9 @@ class QuantLinear:
         the packed bf16 one only within calls of one size, so where it serves rows other than
         prompt rows (`bulk`: no AVX-512 here) they go through it in EXACT_ROWS-row calls. With
         our kernel, bf16 prompt rows take the packed product (AMX), the rest our kernel."""
-        if self.bits and not (bulk and self.bits == 16 and self.packed is not None):
+        if self._ours(bulk):
             return torch.ops.specfork.lowbit_linear(x, self.w, self.s, self.bits, self.b, None)
-        xb = x.to(torch.bfloat16)
+        xb = x.to(torch.bfloat16)           # torch's kernels take bf16 rows
         if self.fmt == "bfloat16":
             if self.packed is None:
                 y = F.linear(xb, self.w)
@@ -139,9 +136,13 @@ class QuantLinear:
 
     def add_to(self, x: torch.Tensor, a: torch.Tensor, bulk: bool = False) -> torch.Tensor:
         """x + self(a) (the residual add)."""
-        if self.bits and not (bulk and self.bits == 16 and self.packed is not None):
+        if self._ours(bulk):
             return torch.ops.specfork.lowbit_linear(a, self.w, self.s, self.bits, self.b, x)
         return self(a, bulk).add_(x)
+
+    def _ours(self, bulk: bool) -> bool:
+        """Whether specfork's kernel multiplies these rows (bf16 prompt rows go to oneDNN)."""
+        return bool(self.bits) and not (bulk and self.bits == 16 and self.packed is not None)
 
     @property
     def nbytes(self) -> int:

@@ -82,6 +82,12 @@ at::Tensor row_blocks(F fn, at::Tensor x, at::Tensor res = at::Tensor()) {
   return y.slice(0, 0, T);
 }
 
+// lowbit_linear.cpp's product for a LOWBIT kind, plus `res` where given
+at::Tensor lowbit(const Lin& l, const at::Tensor& x, const std::optional<at::Tensor>& res) {
+  const int64_t bits = l.kind == LOWBIT4 ? 4 : l.kind == LOWBIT8 ? 8 : 16;
+  return lowbit_linear(x, l.w, bits == 16 ? at::Tensor() : *l.s, bits, l.b, res);
+}
+
 // Linear.__call__ / QuantLinear.__call__ (never bulk: prompt rows do not come here)
 at::Tensor apply(const Lin& l, const at::Tensor& x) {
   switch (l.kind) {
@@ -90,9 +96,7 @@ at::Tensor apply(const Lin& l, const at::Tensor& x) {
     case PACKED_BLOCKS:
       return row_blocks([&](const at::Tensor& a, const at::Tensor&) {
         return pointwise(a, l.w, l.b); }, x);
-    case LOWBIT4: return lowbit_linear(x, l.w, *l.s, 4, l.b, std::nullopt);
-    case LOWBIT8: return lowbit_linear(x, l.w, *l.s, 8, l.b, std::nullopt);
-    case LOWBIT16: return lowbit_linear(x, l.w, at::Tensor(), 16, l.b, std::nullopt);
+    case LOWBIT4: case LOWBIT8: case LOWBIT16: return lowbit(l, x, std::nullopt);
     default: break;
   }
   const auto xb = x.to(at::kBFloat16);
@@ -119,9 +123,7 @@ at::Tensor add_to(const Lin& l, const at::Tensor& x, const at::Tensor& a) {
     case PACKED_BLOCKS:
       return row_blocks([&](const at::Tensor& ai, const at::Tensor& xi) {
         return pointwise_add(ai, xi, l.w, l.b); }, a, x);
-    case LOWBIT4: return lowbit_linear(a, l.w, *l.s, 4, l.b, x);
-    case LOWBIT8: return lowbit_linear(a, l.w, *l.s, 8, l.b, x);
-    case LOWBIT16: return lowbit_linear(a, l.w, at::Tensor(), 16, l.b, x);
+    case LOWBIT4: case LOWBIT8: case LOWBIT16: return lowbit(l, a, x);
     default: return apply(l, a).add_(x);
   }
 }
