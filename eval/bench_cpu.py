@@ -20,7 +20,9 @@ bandwidth limit.
   of `textwrap`, no benchmark), top-1 agreement of the teacher-forced logits, and the share of
   128 greedy tokens equal to float32's before the first difference (mean over prompts).
 tokens/s is new tokens / wall time of the call (prefill included), the median over prompts;
-every row is warmed up once.
+every row is warmed up once. Each engine runs `--reps` times on each prompt, in turn with the
+engines it is compared with, and its fastest run counts: this host's speed drifts and other
+tenants slow single runs by 10-25% at random, which is what a single run's ratio measured.
 """
 from __future__ import annotations
 
@@ -87,6 +89,8 @@ def main(argv=None) -> int:
                    help="MT-bench and HumanEval prompts each, spread over the file")
     p.add_argument("--max-new-tokens", dest="new", type=int, default=128)
     p.add_argument("--drafts", type=int, default=3)
+    p.add_argument("--reps", type=int, default=3,
+                   help="runs per engine and prompt, in turn; the fastest counts")
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--bw-mib", dest="bw_mib", type=int, default=1024,
@@ -98,10 +102,10 @@ def main(argv=None) -> int:
 
     def go():
         fmts = parse_formats(a.formats)
-        if min(a.per_set, a.new, a.drafts, a.bw_mib) <= 0 or (a.threads is not None
-                                                               and a.threads <= 0):
-            raise SpecforkError("--prompts-per-set, --max-new-tokens, --drafts, --bw-mib and "
-                                "--threads must be positive")
+        if min(a.per_set, a.new, a.drafts, a.bw_mib, a.reps) <= 0 or (
+                a.threads is not None and a.threads <= 0):
+            raise SpecforkError("--prompts-per-set, --max-new-tokens, --drafts, --reps, "
+                                "--bw-mib and --threads must be positive")
         if a.threads:
             torch.set_num_threads(a.threads)
         return _run(a, fmts, command_line("bench_cpu", argv))
@@ -110,8 +114,8 @@ def main(argv=None) -> int:
 
 def _llama_worker() -> int:
     """In a child process (a crash in llama.cpp must not take the run down): reads
-    {"gguf", "threads", "n", "prompts": [ids]} on stdin, writes {"outputs", "walls"} (the first
-    prompt run once more first, as warm-up)."""
+    {"gguf", "threads", "n", "reps", "prompts": [ids]} on stdin, writes {"outputs", "walls"}
+    (the first prompt run once more first, as warm-up; each prompt's fastest of `reps`)."""
     from llama_cpp import Llama
     job = json.load(sys.stdin)
     llm = Llama(model_path=job["gguf"], n_ctx=4096, n_threads=job["threads"],
@@ -133,14 +137,18 @@ def _llama_worker() -> int:
     gen(job["prompts"][0][:16])
     outs, walls = [], []
     for ids in job["prompts"]:
-        t = time.perf_counter()
-        outs.append(gen(ids))
-        walls.append(time.perf_counter() - t)
+        best = float("inf")
+        for _ in range(job.get("reps", 1)):
+            t = time.perf_counter()
+            out = gen(ids)
+            best = min(best, time.perf_counter() - t)
+        outs.append(out)
+        walls.append(best)
     json.dump({"outputs": outs, "walls": walls}, sys.stdout)
     return 0
 
 
-def _llama_cpp(prompts: list[list[int]], n: int, threads: int):
+def _llama_cpp(prompts: list[list[int]], n: int, threads: int, reps: int = 1):
     """llama.cpp greedy on the shipped GGUF, in a child process: ({"outputs", "walls"}, None)
     or (None, why not)."""
     import importlib.util
@@ -149,7 +157,8 @@ def _llama_cpp(prompts: list[list[int]], n: int, threads: int):
         return None, ("llama-cpp-python is not installed; pip install --no-binary "
                       "llama-cpp-python '.[bench]'")
     from specfork.loader import embedded_gguf
-    job = {"gguf": str(embedded_gguf()), "threads": threads, "n": n, "prompts": prompts}
+    job = {"gguf": str(embedded_gguf()), "threads": threads, "n": n, "reps": reps,
+           "prompts": prompts}
     p = subprocess.run([sys.executable, __file__, "_llama_worker"], input=json.dumps(job),
                        capture_output=True, text=True, timeout=3600)
     if p.returncode != 0:
@@ -212,25 +221,30 @@ def _run(a, fmts: list[str], command: str) -> int:
         return out, time.perf_counter() - t
 
     def add(*engines):
-        """Rows for (key, name, run, extra) engines run in turn on each prompt (the host's
-        speed drifts, so engines compared with each other go prompt by prompt): their outputs
-        and per-prompt speeds."""
+        """Rows for (key, name, run, extra) engines run in turn on each prompt, `a.reps` rounds
+        (the host's speed drifts, so engines compared with each other go prompt by prompt):
+        their outputs and per-prompt speeds (each prompt's fastest run)."""
         for _, _, run, _ in engines:
             run(prompts[0]["ids"][:16])                           # warm-up
         outs, speeds = [[] for _ in engines], [[] for _ in engines]
         for q in prompts:
-            for i, (_, _, run, _) in enumerate(engines):
-                out, wall = timed(run, q["ids"])
-                outs[i].append(out)
-                speeds[i].append(len(out) / wall)
+            best, got = [float("inf")] * len(engines), [None] * len(engines)
+            for _ in range(a.reps):
+                for i, (_, _, run, _) in enumerate(engines):
+                    out, wall = timed(run, q["ids"])
+                    best[i] = min(best[i], wall)
+                    got[i] = out if got[i] is None else got[i]
+            for i in range(len(engines)):
+                outs[i].append(got[i])
+                speeds[i].append(len(got[i]) / best[i])
         for (key, name, _, extra), sp in zip(engines, speeds):
             rows.append({"key": key, "engine": name, "tok_s": round(statistics.median(sp), 2),
-                         **extra})
+                         **extra, "per_prompt_tok_s": [round(x, 1) for x in sp]})
             print(f"{name:<40} {rows[-1]['tok_s']:7.1f} tok/s", file=sys.stderr, flush=True)
         return outs, speeds
 
     with torch.inference_mode():
-        got, why = _llama_cpp([q["ids"] for q in prompts], n, torch.get_num_threads())
+        got, why = _llama_cpp([q["ids"] for q in prompts], n, torch.get_num_threads(), a.reps)
         if got is None:
             notes.append(f"llama.cpp row skipped: {why}")
             print(notes[-1], file=sys.stderr)
@@ -286,7 +300,7 @@ def _run(a, fmts: list[str], command: str) -> int:
     if got is not None:
         # the host's speed drifts over a run: llama.cpp runs first and last, and its row is the
         # median over both
-        again, why = _llama_cpp([q["ids"] for q in prompts], n, torch.get_num_threads())
+        again, why = _llama_cpp([q["ids"] for q in prompts], n, torch.get_num_threads(), a.reps)
         if again is not None:
             r = by["llama_cpp"]
             r["tok_s_first"], r["tok_s_last"] = r["tok_s"], _speed(again)

@@ -11,8 +11,10 @@ A plan gives each drafter a depth (0: it does not draft this step). Its value:
 - Acceptance rates are decayed counts (`decay` per step), so they follow the text: a copying
   phase lifts n-gram lookup, free prose drops it.
 - Draft seconds are each drafter's measured propose + observe time; verify seconds come from the
-  `CostModel` (timed tree sizes plus the request's own offset). Tree rows are each drafter's
-  measured paths (or nodes) per depth times the depth.
+  `CostModel` (timed tree sizes plus the request's own offset, and what a step that verifies a
+  tree costs beyond its forward: building, verifying and freeing it). Tree rows are each
+  drafter's measured paths (or nodes) per depth times the depth. What drafting costs carries
+  over from one request to the next (it is the machine's); acceptance starts from the prior.
 - The empty plan is plain decoding: one token for a one-row forward.
 - The path budget (how many paths the chosen path drafters share, 1 .. `num_paths`) is planned
   too, with acceptance kept per width (the best of a drafter's first w paths): where each row
@@ -24,19 +26,32 @@ not verified, and are scored against the tokens the target emitted ("shadow" sco
 come back as soon as the text starts to repeat. A costly drafter left out of the plan for `probe`
 steps drafts (and is verified) on the next one, so its estimate cannot go stale for ever; each
 probe after which it is still not worth its cost doubles that wait (up to `PROBE_MAX` steps),
-so a drafter that never pays (a slow draft beside a fast low-bit target) costs ever less.
+and the wait is at least long enough (even past `PROBE_MAX`) that what probes cost beyond
+decode steps (a model draft's catch-up read, its forward, the tree's rows) stays under
+`EXPLORE` of the time, so a
+drafter that never pays (a slow draft beside a fast low-bit target) costs ever less. Between
+probes such a drafter is not weighed at all: its estimates do not move while it does not draft.
+
+Planning itself must be cheap next to a decode step (7 ms on a 2-core CPU with int4 weights):
+the depths of the path drafters are walked in one pass per drafter set and path budget, and
+after an off step in which no shadow drafter would have had a token accepted (every plan's
+value only fell) the search is skipped, up to `REPLAN` steps in a row.
 """
 from __future__ import annotations
 
 import copy
+import math
 from itertools import combinations
 
 PRIOR = (1.0, 1.0)               # Beta prior of each depth's acceptance (accepted, rejected)
 DECAY = 0.9                      # weight of past observations per new one
 PROBE = 8                        # steps a costly drafter may stay out before it is tried again
 PROBE_MAX = 128                  # the longest wait, after probes that did not pay
+EXPLORE = 0.03                   # the most of a request's time that failed probes may take
+REPLAN = 8                       # quiet steps off in a row before the plan is searched anyway
 KAPPA = (0.1, 2.0)               # bounds of the realised / predicted acceptance correction
 CHEAP = 0.02                     # drafting under this share of a plain step: always shadowed
+SPIKE = 4.0                      # one timing counts for at most this times the estimate
 READ_MIN = 16                    # a drafter's catch-up read this long is costed on its own
 
 
@@ -58,8 +73,9 @@ class _Track:
     per width w (its first w paths: the best match among them), for w up to the path budget,
     so the controller can weigh a narrower tree (fewer rows) against a wider one."""
 
-    def __init__(self, depth: int, tree: bool, widths: int = 1):
+    def __init__(self, depth: int, tree: bool, widths: int = 1, flat: bool = False):
         self.max_depth, self.tree = depth, tree
+        self.flat = tree or flat                  # its cost does not grow with depth
         self.widths = 1 if tree else max(1, widths)
         # [w][k]: at width w (1-based), depth k (index 0 unused)
         self.acc = [[PRIOR[0]] * (depth + 1) for _ in range(self.widths + 1)]
@@ -73,6 +89,10 @@ class _Track:
         self.idle = 0                             # steps since it last drafted verified
         self.gap = 0                              # steps it may stay out (set by the controller)
         self.probed = False                       # it drafts this step only as a probe
+        self.live = True                          # a costly drafter: in the last plan (or
+        #                                           its last probe paid); else only its
+        #                                           probes weigh it again (its estimates do
+        #                                           not move while it does not draft)
         self.read_rate = 0.0                      # seconds per token of a long catch-up read
         self.read_timed = False
 
@@ -100,12 +120,13 @@ class _Track:
         """Tree rows per depth it adds when it proposes, asked for `share` paths."""
         return self.width[self._w(share)]
 
-    def score(self, paths: list[list[int]], emitted: list[int], asked: int = 0) -> None:
+    def score(self, paths: list[list[int]], emitted: list[int], asked: int = 0) -> int:
         """`paths` (best first) against the `emitted` tokens; `asked`: the paths it was asked
-        for (widths beyond it are not learnt from this step; 0: all)."""
+        for (widths beyond it are not learnt from this step; 0: all). Returns the tokens its
+        widest scored tree would have had accepted."""
         self.hit = DECAY * self.hit + (1 - DECAY) * (1.0 if paths else 0.0)
         if not paths:
-            return
+            return 0
         top = self.widths if self.tree or not asked else min(self.widths, asked)
         for w in range(1, top + 1):
             m, longest = matched(paths if self.tree else paths[:w], emitted)
@@ -115,14 +136,20 @@ class _Track:
             for k in range(1, min(m + 1, longest, len(emitted), self.max_depth) + 1):
                 acc[k] = DECAY * acc[k] + (k <= m)
                 rej[k] = DECAY * rej[k] + (k > m)
+        return m
 
     def cost(self, depth: int) -> float:
-        """Seconds a step at `depth` costs it (a model drafter runs one forward per depth)."""
-        return self.seconds if self.tree else self.seconds * depth
+        """Seconds a step at `depth` costs it (a model drafter runs one forward per depth; a
+        lookup or a tree costs the same at any depth)."""
+        return self.seconds if self.flat else self.seconds * depth
 
     def time(self, seconds: float, paths: list[list[int]]) -> None:
-        if not self.tree:
+        if not self.flat:
             seconds /= max([1] + [len(p) for p in paths])
+        if self.timed:         # one slow call (a GC pause, another tenant) moves the estimate
+            #                    by a bounded step: a cheap drafter that looked costly once
+            #                    would leave the shadow and never be timed again
+            seconds = min(seconds, SPIKE * self.seconds)
         self.seconds = seconds if not self.timed else DECAY * self.seconds + (1 - DECAY) * seconds
         self.timed = True
 
@@ -160,6 +187,9 @@ class DraftController:
 
     def begin(self) -> None:
         self.ctx = None                           # the last plan's batch context
+        self.read_s = 0.0                         # catch-up reads in this step (costed apart)
+        self.quiet = False                        # the last step was off and taught nothing
+        self.quiet_run = 0                        # good: plans skipped in a row
         self.predicted = 0.0                      # the chosen plan's E[accepted]
         self.trace: list[list[int]] = []          # per step, each drafter's depth (0: off)
         self.budgets: list[int] = []              # per step, the path budget (0: no path)
@@ -168,13 +198,18 @@ class DraftController:
             for t in self.tracks:
                 t.idle, t.probed = 0, False
             return
+        old = self.tracks
         self.tracks = [_Track(getattr(d, "depth", self.draft_len) if self._tree(d)
-                              else self.draft_len, self._tree(d), self.num_paths)
+                              else self.draft_len, self._tree(d), self.num_paths,
+                              getattr(d, "flat_cost", False))
                        for d in self.drafters]
         for d, t in zip(self.drafters, self.tracks):
             t.gap = self.probe
             if t.tree:
                 t.width[1] = d.tree_tokens / max(1, d.depth)
+        for t, o in zip(self.tracks, old):   # what drafting costs is the machine's, not the
+            t.seconds, t.timed = o.seconds, o.timed          # text's: it carries over
+            t.read_rate, t.read_timed = o.read_rate, o.read_timed
         self.kappa = 1.0
         self.cost.reset()
 
@@ -196,6 +231,7 @@ class DraftController:
         if tokens < READ_MIN:
             return False
         t = self.tracks[i]
+        self.read_s += seconds
         rate = seconds / tokens
         t.read_rate = rate if not t.read_timed else DECAY * t.read_rate + (1 - DECAY) * rate
         t.read_timed = True
@@ -205,59 +241,40 @@ class DraftController:
         t = self.tracks[i]
         return t.timed and t.cost(self.draft_len) < CHEAP * self.cost.seconds(1)
 
-    def _value(self, depths: list[int], ctx=None, share: dict | None = None
-               ) -> tuple[float, float, float]:
-        """(tokens per second, expected accepted, rows) of a plan (depth per drafter; `share`:
-        the paths each chosen path drafter is asked for, default 1). `ctx`:
-        (tokens, rows, draft seconds) of the other requests in the same forward (None: alone),
-        so the value is the whole step's: its tokens are weighed against the batch's, and a
-        tree costs what it adds to the batch's forward: the larger of what its rows add to
-        the batch's matmuls and what it costs over a decode step alone (its own attention
-        and bookkeeping, which do not shrink in a batch)."""
-        ctx_tokens, ctx_rows, ctx_secs = ctx or (0, 0, 0.0)
-        none_left = [1.0] * (self.draft_len + max((t.max_depth for t in self.tracks), default=0))
-        rows, secs, reads = 1.0, 0.0, 0.0
-        for i, (t, k) in enumerate(zip(self.tracks, depths)):
-            if k:
-                w = (share or {}).get(i, 1)
-                for j, p in enumerate(t.chance(k, w)):
-                    none_left[j] *= 1 - p
-                rows += t.hit * t.rows(w) * min(k, t.max_depth)
-                secs += t.cost(k)
-                r = t.read_cost(self.lags[i])
-                if r is None and ctx is not None and ctx[1]:
-                    return 0.0, 0.0, rows    # an untimed read would stall the whole batch
-                reads += r or 0.0
-            elif self.cheap(i):
-                secs += t.cost(self.draft_len)    # shadowed: it drafts anyway
-        expected = sum(1 - x for x in none_left)
-        # A catch-up read is paid once and then serves the request's later steps: alone, it
-        # is spread over the steps left at this plan's pace (untimed: taken as free, as every
-        # cost before its first measurement); in a batch every request waits on it now, and
-        # the drafter rarely drafts on (it falls behind again), so it counts whole, and a
-        # read of unknown cost is not risked
-        if reads:
-            secs += reads if ctx is not None and ctx[1] else \
-                reads / max(1.0, self.left / (1 + self.kappa * expected))
-        c = self.cost
-        if ctx is None:
-            verify = c.seconds(rows)
-        else:
-            verify = c.seconds(ctx_rows + 1) + max(c.seconds(ctx_rows + rows)
-                                                  - c.seconds(ctx_rows + 1),
-                                                  c.seconds(rows) - c.seconds(1))
-        return (ctx_tokens + 1 + self.kappa * expected) / (ctx_secs + secs + verify), \
-            expected, rows
+    def _snapshot(self) -> list[tuple]:
+        """Per drafter, what every plan of one step reads: (per width w: P(k-th token
+        accepted) for every depth and rows per depth; seconds per drafted depth, or per step
+        for a tree; whether it is shadowed; its catch-up read's cost)."""
+        out = []
+        for i, t in enumerate(self.tracks):
+            deep = t.max_depth
+            per_w = [None] + [(t.chance(deep, w), t.hit * t.rows(w))
+                              for w in range(1, t.widths + 1)]
+            out.append((per_w, t.widths, t.cost(1), t.tree, self.cheap(i),
+                        t.cost(self.draft_len), t.read_cost(self.lags[i])))
+        return out
 
     def plan(self, ctx=None) -> list[int]:
-        """This step's depth per drafter (0: not verified this step); `ctx` as `_value`."""
+        """This step's depth per drafter (0: not verified this step); `ctx` as in `_best`."""
         # a probe is forced only where the request has its step to itself: in a batch every
         # request would wait on it (a cold model draft first reads the whole context)
         alone = ctx is None or not ctx[1]
+        self.read_s = 0.0
         forced = [i for i, t in enumerate(self.tracks)
-                  if alone and not self.cheap(i) and t.idle >= t.gap]
+                  if alone and not self.cheap(i) and self._due(i)]
         self.ctx = ctx
-        best_depths, best_e, self.budget = self._best(forced, ctx)
+        # Off after a step that taught nothing good (no shadow drafter would have had a
+        # token accepted): every plan's expected gain only fell, so off stays best and the
+        # search (a tenth of a ms, a few % of a fast low-bit step) is skipped, up to REPLAN
+        # steps in a row
+        if ctx is None and not forced and self.quiet and self.quiet_run < REPLAN:
+            self.quiet_run += 1
+            best_depths, best_e = [0] * len(self.drafters), 0.0
+        else:
+            self.quiet_run = 0
+            best_depths, best_e, self.budget = self._best(forced, ctx)
+            for i, t in enumerate(self.tracks):
+                t.live = bool(best_depths[i])
         for i, t in enumerate(self.tracks):
             t.probed = i in forced
         self.predicted = best_e
@@ -270,46 +287,132 @@ class DraftController:
                                                for i, d in enumerate(best_depths)) else 0)
         return best_depths
 
+    def _due(self, i: int) -> bool:
+        """Drafter i is due a probe: out for its gap, and for long enough that what the probe
+        will cost beyond a decode step (its catch-up read, one drafted depth, a two-row
+        tree) is at most EXPLORE of the time since."""
+        t = self.tracks[i]
+        if t.idle < t.gap:
+            return False
+        step = self.cost.seconds(1, False)
+        over = (t.read_cost(self.lags[i]) or 0.0) + t.cost(1) + self.cost.seconds(2, True) - step
+        return t.idle * EXPLORE * step >= over
+
     def _best(self, forced: list[int], ctx=None) -> tuple[list[int], float, int]:
         """The plan of highest value that includes every drafter in `forced`: its depths,
-        E[accepted] and path budget (how many paths the chosen path drafters share)."""
+        E[accepted] and path budget (how many paths the chosen path drafters share).
+
+        A plan's value is its tokens per second. `ctx`: (tokens, rows, draft seconds) of the
+        other requests in the same forward (None: alone), so the value is the whole step's:
+        its tokens are weighed against the batch's, and a tree costs what it adds to the
+        batch's forward: the larger of what its rows add to the batch's matmuls and what it
+        costs over a decode step alone (its own attention and bookkeeping, which do not
+        shrink in a batch). For each set of drafters and path budget, the depths of the path
+        drafters are walked in one pass (each depth adds its term to E[accepted])."""
         n = len(self.drafters)
+        ctx_tokens, ctx_rows, ctx_secs = ctx or (0, 0, 0.0)
+        batch = ctx is not None and bool(ctx[1])
+        snap = self._snapshot()
+        L = self.draft_len + max((t.max_depth for t in self.tracks), default=0)
+        c, kappa = self.cost, self.kappa
+        plain, one = c.seconds(ctx_rows + 1, False), c.seconds(1, False)
+
+        def verify(rows: float, tree: bool) -> float:
+            if ctx is None:
+                return c.seconds(rows, tree)
+            return plain + max(c.seconds(ctx_rows + rows, tree) - plain,
+                               c.seconds(rows, tree) - one)
+
         best, best_depths, best_e, best_b = -1.0, [0] * n, 0.0, self.num_paths
-        for r in range(0, n + 1):
-            for chosen in combinations(range(n), r):
+        weigh = [i for i, t in enumerate(self.tracks)
+                 if t.live or t.probed or i in forced or snap[i][4]]
+        for r in range(0, len(weigh) + 1):
+            for chosen in combinations(weigh, r):
                 if any(i not in chosen for i in forced):
                     continue
                 on = [i for i in chosen if not self.tracks[i].tree]
+                # what does not depend on the path drafters' depth: tree drafters, shadowed
+                # drafters, catch-up reads
+                none_tree, rows0, secs0, reads = [1.0] * L, 1.0, 0.0, 0.0
+                stall = False
+                for i, (per_w, widths, each, tree, shadow, full, read) in enumerate(snap):
+                    if i not in chosen:
+                        secs0 += full if shadow else 0.0      # shadowed: it drafts anyway
+                        continue
+                    # a read of unknown cost would stall the whole batch: not risked
+                    stall |= read is None and batch
+                    reads += read or 0.0
+                    if tree:
+                        chance, row = per_w[1]
+                        for j, p in enumerate(chance):
+                            none_tree[j] *= 1 - p
+                        rows0 += row * len(chance)
+                        secs0 += each
+                if stall:
+                    continue
                 budgets = range(max(1, len(on)), max(len(on), self.num_paths) + 1) if on \
                     else [self.num_paths]
-                for k in range(1, self.draft_len + 1) if chosen else [0]:
-                    depths = [(self.tracks[i].max_depth if self.tracks[i].tree else k)
-                              if i in chosen else 0 for i in range(n)]
+                depths = range(1, self.draft_len + 1) if on else [0]
+                values = {}
+                for b in budgets:
+                    share = shares(b, on)
+                    per = [snap[i][0][max(1, min(share[i], snap[i][1]))] for i in on]
+                    row_k = sum(row for _, row in per)
+                    each_k = sum(snap[i][2] for i in on)
+                    expected = sum(1 - x for x in none_tree)
+                    for k in depths:
+                        if k:                     # the path drafters' k-th tokens
+                            none = 1.0
+                            for chance, _ in per:
+                                none *= 1 - chance[k - 1]
+                            expected += none_tree[k - 1] * (1 - none)
+                        secs = secs0 + each_k * k
+                        # A catch-up read is paid once and then serves the request's later
+                        # steps: alone, it is spread over the steps left at this plan's pace
+                        # (untimed: taken as free, as every cost before its first
+                        # measurement); in a batch every request waits on it now, and the
+                        # drafter rarely drafts on (it falls behind again): it counts whole
+                        if reads:
+                            secs += reads if batch else \
+                                reads / max(1.0, self.left / (1 + kappa * expected))
+                        v = (ctx_tokens + 1 + kappa * expected) / (
+                            ctx_secs + secs + verify(rows0 + row_k * k, bool(chosen)))
+                        values[k, b] = v, expected
+                for k in depths:
                     for b in budgets:
-                        v, e, _ = self._value(depths, ctx, shares(b, on))
+                        v, e = values[k, b]
                         if v > best:
-                            best, best_depths, best_e, best_b = v, depths, e, b
-                    if not on:
-                        break                     # the depth loop changes nothing
+                            best, best_e, best_b = v, e, b
+                            best_depths = [(self.tracks[i].max_depth if self.tracks[i].tree
+                                            else k) if i in chosen else 0 for i in range(n)]
         return best_depths, best_e, best_b
 
     def update(self, depths: list[int], proposals: list[list[list[int]] | None],
-               seconds: list[float], emitted: list[int], rows: int, verify_s: float) -> None:
+               seconds: list[float], emitted: list[int], rows: int, verify_s: float,
+               tree: bool | None = None) -> None:
         """After a step: each drafter's paths (None: it did not draft), its seconds, the emitted
-        tokens (accepted + the target's next), the tree's rows and the verify step's seconds."""
+        tokens (accepted + the target's next), the step's rows and its seconds without the
+        drafting; `tree`: this request verified a draft (default: rows > 1)."""
+        gained = False
         for t, k, paths, s, asked in zip(self.tracks, depths, proposals, seconds, self.asked):
             t.idle = 0 if k else t.idle + 1
             if paths is not None:
-                t.score(paths, emitted, asked)
+                gained |= t.score(paths, emitted, asked) > 0
                 t.time(s, paths)
-        self.cost.observe(rows, verify_s)
+        self.quiet = not any(depths) and not gained
+        self.cost.observe(rows, verify_s - self.read_s, tree)
         probed = [i for i, t in enumerate(self.tracks) if t.probed]
         if probed:                          # with what the probe taught: still not worth it?
             free = self._best([], self.ctx)[0]        # in the batch it was probed in
+            # what the probe cost beyond a decode step (its drafting, catch-up read and rows)
+            # buys a wait long enough that probing takes at most EXPLORE of the time
+            step = self.cost.seconds(1, False)
+            over = max(0.0, verify_s + sum(seconds) - step)
             for i in probed:
                 t = self.tracks[i]
-                t.gap = self.probe if free[i] else min(PROBE_MAX, 2 * t.gap)
-                t.probed = False
+                t.gap = self.probe if free[i] else \
+                    max(min(PROBE_MAX, 2 * t.gap), math.ceil(over / (EXPLORE * step)))
+                t.probed, t.live = False, bool(free[i])
         if any(depths) and self.predicted > 0:
             ratio = (len(emitted) - 1) / self.predicted
             self.kappa = min(KAPPA[1], max(KAPPA[0], DECAY * self.kappa + (1 - DECAY) * ratio))

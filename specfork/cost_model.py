@@ -6,8 +6,14 @@ size it might choose. On a CPU it is far from linear (a 13-row forward can cost 
 row costs, or twice that, depending on the matmul kernels), so it is measured, not assumed: once
 per model and process, chain trees of a few sizes over a short prefix, the fastest of a few
 repetitions each, cached on the `Model`. A running request refines it with what its own steps
-measure (an additive offset: the prefix-length and bookkeeping share of a step, which grows as
-the request does).
+measure, as two additive terms:
+- `offset`, learnt from plain decode steps: the prefix-length share of a step, which grows as
+  the request does (reset per request);
+- `extra`, learnt from steps that verified a tree: what such a step costs beyond a decode step
+  of the same rows, that the timed forwards leave out (building the token tree, the verifier,
+  freeing the rejected forks, adopting the kept one). Under a fast low-bit target it is a tenth
+  of a step, enough to turn a tree that looked worth its rows into a loss; it is a property of
+  the machine and the drafter mix, so it carries over from request to request.
 """
 from __future__ import annotations
 
@@ -30,7 +36,8 @@ class CostModel:
         self.sizes = sorted(table)
         self.table = dict(table)
         self.rate = rate                          # EMA weight of one measured step
-        self.offset = 0.0
+        self.offset = 0.0                         # this request's share on every step
+        self.extra = 0.0                          # a tree step's own bookkeeping
 
     def base(self, rows: float) -> float:
         s, t = self.sizes, self.table
@@ -42,15 +49,23 @@ class CostModel:
         a, b = s[-2], s[-1]                       # beyond the largest: the last slope
         return t[b] + (t[b] - t[a]) * (rows - b) / (b - a)
 
-    def seconds(self, rows: float) -> float:
-        return max(1e-6, self.base(rows) + self.offset)
+    def seconds(self, rows: float, tree: bool | None = None) -> float:
+        """A step of `rows` rows; `tree`: it verifies a draft (default: rows > 1)."""
+        tree = rows > 1 if tree is None else tree
+        return max(1e-6, self.base(rows) + self.offset + (self.extra if tree else 0.0))
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """A step of `rows` rows took `seconds` (verify forward and its bookkeeping)."""
-        self.offset += self.rate * (seconds - self.base(rows) - self.offset)
+    def observe(self, rows: int, seconds: float, tree: bool | None = None) -> None:
+        """A step of `rows` rows took `seconds` (verify forward and its bookkeeping, drafting
+        not included); `tree` as in `seconds`."""
+        tree = rows > 1 if tree is None else tree
+        err = seconds - self.seconds(rows, tree)
+        if tree:
+            self.extra += self.rate * err
+        else:
+            self.offset += self.rate * err
 
     def reset(self) -> None:
-        """A new request: its prefix starts short again."""
+        """A new request: its prefix starts short again (a tree step's extra stays)."""
         self.offset = 0.0
 
 

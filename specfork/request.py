@@ -246,6 +246,7 @@ class Request:
                step_rows: int, step_s: float) -> list[int]:
         """This request's rows' logits `[len(rows.logits), V]` (and features `[T, F]`) -> the
         tokens it emits this step (maybe none: a prefill chunk before the prompt's end)."""
+        t_commit = time.perf_counter()
         if rows.kind == "prefill":
             b = self.branch.length
             new = [pick(logits[-1], self.sp)] if b >= self.target and not self.out else []
@@ -290,8 +291,12 @@ class Request:
                 if getattr(d, "features", None):
                     secs[i] += t_feat
         if self.controller is not None:
-            self.controller.update(rows.depths, rows.props, secs, emitted, step_rows, step_s)
-        return self._emit(emitted, logits[torch.tensor(path, device=logits.device)])
+            # the step's cost as the controller weighs it: planning, forward and this commit
+            # (verify, free, adopt), less the drafting it costs per drafter
+            spent = step_s + (time.perf_counter() - t_commit) - sum(secs)
+            self.controller.update(rows.depths, rows.props, secs, emitted, step_rows, spent,
+                                   len(tree) > 1)
+        return self._emit(emitted, logits, path)
 
     def _hand_features(self, context: list[int], feats: torch.Tensor) -> None:
         """Give each drafter that reads target features the columns of its layers for the
@@ -301,9 +306,10 @@ class Request:
                 cols = self.feature_cols[id(d)]
                 d.observe(context, feats if cols is None else feats.index_select(1, cols))
 
-    def _emit(self, new: list[int], logits: torch.Tensor) -> list[int]:
-        """Append `new` (token i drawn from `logits[i]`), cut at max_new and at the first EOS;
-        finishes the request there."""
+    def _emit(self, new: list[int], logits: torch.Tensor, rows: list[int] | None = None
+              ) -> list[int]:
+        """Append `new` (token i drawn from `logits[rows[i]]`; rows None: `logits[i]`), cut at
+        max_new and at the first EOS; finishes the request there."""
         new = new[:self.max_new - len(self.out)]
         for i, t in enumerate(new):
             if t in self.eos:
@@ -311,6 +317,8 @@ class Request:
                 self.finish_reason = "stop"
                 break
         if self.logprobs is not None and new:
+            if rows is not None:           # gathered only here: most requests want none
+                logits = logits[torch.tensor(rows[:len(new)], device=logits.device)]
             lp = torch.log_softmax(logits[:len(new)].float(), dim=-1)
             top = lp.topk(self.logprobs, dim=-1) if self.logprobs else None
             for i, t in enumerate(new):

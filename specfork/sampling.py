@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from specfork.errors import SpecforkError
@@ -79,10 +80,19 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor | np.ndarray:
+    """Index of the first maximum along the last axis (torch's tie rule). A CPU float32 row
+    goes through numpy: torch's CPU argmax over a 49K vocabulary takes ~0.1 ms, about 1% of a
+    low-bit decode step, numpy's a tenth of that."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.detach().numpy().argmax(-1)
+    return logits.argmax(-1)
+
+
 def pick(logits: torch.Tensor, sp: SamplingParams) -> int:
     """The next token from one position's logits `[V]`: argmax when greedy, else a draw from the
     warped distribution (the one rule of every loop that emits a token without a verifier)."""
     if sp.greedy:
-        return int(logits.argmax())
+        return int(argmax(logits))
     return sample(probs_from_logits(logits.float(), sp.temperature, sp.top_k, sp.top_p),
                   sp.generator)

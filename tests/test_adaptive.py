@@ -1,10 +1,12 @@
 """Adaptive drafting: the controller turns speculation off where it cannot pay, keeps it where
 it does, brings a cheap drafter back when its shadow score recovers and probes a costly one;
 output stays exactly HF greedy either way; the cost model is timed and interpolated."""
+import math
+
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from specfork import cost_model
+from specfork import adaptive, cost_model
 from specfork.adaptive import DraftController, matched
 from specfork.cost_model import CostModel
 from specfork.decoder import SpecDecoder
@@ -83,10 +85,14 @@ def test_cost_model_interpolates_and_follows_measured_steps():
     assert c.seconds(1) == 1.0 and abs(c.seconds(3) - 1.2) < 1e-9
     assert abs(c.seconds(96) - (1.0 + 0.1 * 95)) < 1e-9         # the last slope beyond
     for _ in range(50):
-        c.observe(4, 1.8)                                        # this request: +0.5 s a step
+        c.observe(1, 1.5)                                        # this request: +0.5 s a step
     assert abs(c.seconds(4) - 1.8) < 1e-3 and abs(c.seconds(1) - 1.5) < 1e-3
-    c.reset()
-    assert c.seconds(1) == 1.0
+    for _ in range(50):          # verifying a tree costs 0.2 s more than its rows' forward
+        c.observe(4, 2.0)
+    assert abs(c.seconds(4) - 2.0) < 1e-3 and abs(c.seconds(1) - 1.5) < 1e-3
+    assert abs(c.seconds(4, tree=False) - 1.8) < 1e-3
+    c.reset()                    # a new request: its prefix is short again; the tree's extra
+    assert c.seconds(1) == 1.0 and abs(c.seconds(4) - 1.5) < 1e-3        # cost is the machine's
 
 
 def test_wrong_drafter_is_switched_off_and_probed():
@@ -100,6 +106,40 @@ def test_wrong_drafter_is_switched_off_and_probed():
     probes = [i for i, x in enumerate(on) if x][-4:]
     gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
     assert ctl.probe_steps >= 4 and gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0], gaps
+
+
+def test_a_cheap_lookup_stays_shadowed_through_a_slow_call():
+    """A lookup drafter costs 1e-4 plain steps a call whatever the depth (n-gram:
+    `flat_cost`); one call slowed 10^4 times (a GC pause) must not push it out of the shadow,
+    where it would never be timed again."""
+    d = Scripted("lookup", None)
+    d.flat_cost = True
+    ctl = DraftController([d], draft_len=4, cost=_cost(), probe=8)
+    _run(ctl, lambda dp, p: [9], lambda i, k: [1], steps=20, seconds=1e-4)
+    assert ctl.cheap(0) and abs(ctl.tracks[0].cost(4) - 1e-4) < 1e-9     # not 4x: flat
+    _run(ctl, lambda dp, p: [9], lambda i, k: [1], steps=1, seconds=1.0)
+    assert ctl.cheap(0)
+    _run(ctl, lambda dp, p: [9], lambda i, k: [1], steps=60, seconds=0.5)
+    assert not ctl.cheap(0)                      # slow for good: it leaves the shadow
+
+
+def test_costly_probes_take_a_bounded_share_of_the_time():
+    """A drafter that never pays and whose probe costs 10 decode steps beyond one (it drafts 4
+    deep at 2.4 s a depth and adds 4 rows, as a cold model draft reading a long context
+    might): its waits grow past doubling and past PROBE_MAX, so failed probes take at most
+    EXPLORE of the time (doubling alone, capped at PROBE_MAX, would give it 7%)."""
+    ctl = DraftController([Scripted("bad", None)], draft_len=4, cost=_cost(), probe=8)
+    steps, extra = 1200, 0.0
+    for _ in range(steps):
+        depths = ctl.plan()
+        k = depths[0]
+        secs = [2.4 * 4] if k else [0.0]
+        ctl.update(depths, [[[1] * 4] if k else None], secs, [9], 1 + k, 1.0 + 0.1 * k)
+        extra += secs[0] + 0.1 * k
+    probes = [i for i, row in enumerate(ctl.trace) if row[0]]
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
+    assert len(probes) >= 3 and gaps[-1] >= 9.6 / adaptive.EXPLORE > adaptive.PROBE_MAX, gaps
+    assert extra / (steps + extra) <= 1.5 * adaptive.EXPLORE
 
 
 def test_probe_wait_resets_once_the_drafter_pays_again():

@@ -30,6 +30,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
     ("bench_prefill", ["--steps", "0"], "must be positive"),
     ("bench_cpu", ["--formats", "float32,int3"], "--formats: unknown ['int3']"),
     ("bench_cpu", ["--drafts", "0"], "must be positive"),
+    ("bench_cpu", ["--reps", "0"], "must be positive"),
     ("profile_step", ["--tokens", "1"], "--tokens must be >= 2"),
     ("bench_kv_quant", ["--formats", "float32,turbo9"], "unknown KV cache format 'turbo9'"),
     ("bench_kv_quant", ["--prompts", "0"], "must be positive"),
@@ -116,7 +117,7 @@ def test_bench_cpu_end_to_end(tmp_path):
     limit; the llama.cpp row is there or says why not."""
     stem = tmp_path / "cpu"
     args = ["--prompts-per-set", "1", "--max-new-tokens", "6", "--formats", "float32,int4",
-            "--bw-mib", "64", "--out", str(stem)]
+            "--reps", "2", "--bw-mib", "64", "--out", str(stem)]
     p = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_cpu.py"), *args],
                        capture_output=True, text=True, timeout=900, env=ENV)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -17,6 +17,7 @@ from specfork.types import DraftPath, SamplingParams
 
 class NgramDrafter:
     name = "ngram"
+    flat_cost = True           # a lookup costs the same whatever depth it is asked for
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_sites: int = 64,
                  max_match: int = 32):

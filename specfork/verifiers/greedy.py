@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from specfork.sampling import argmax
 from specfork.token_tree import TokenTree
 
 
@@ -12,7 +13,7 @@ def verify_greedy(tree: TokenTree, logits: torch.Tensor) -> tuple[list[int], int
     Ties break as `torch.argmax` does (first maximum), the same token HF greedy search emits,
     so a greedy speculative run reproduces `generate(do_sample=False)` token for token.
     """
-    best = logits.argmax(dim=-1).tolist()           # [T]: one sync, then plain python
+    best = argmax(logits).tolist()                  # [T]: one sync, then plain python
     path = [0]
     while (c := tree.child_of[path[-1]].get(best[path[-1]])) is not None:
         path.append(c)
