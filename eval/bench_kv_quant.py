@@ -146,11 +146,13 @@ def _run(a, fmts: list[str], command: str) -> int:
     rows = {}
     for fmt in fmts:
         t0 = time.perf_counter()
-        plain = SpecDecoder.from_pretrained(kv_cache=fmt, max_kv_tokens=room)
+        # float32 weights: the KV format is the one thing that changes (auto is int4 here)
+        plain = SpecDecoder.from_pretrained(kv_cache=fmt, max_kv_tokens=room, weights="float32")
         tok = plain.tokenizer
-        spec = SpecDecoder.from_pretrained(kv_cache=fmt, drafts=3, max_kv_tokens=room)
+        spec = SpecDecoder.from_pretrained(kv_cache=fmt, drafts=3, max_kv_tokens=room,
+                                           weights="float32")
         fixed = SpecDecoder.from_pretrained(kv_cache=fmt, drafts=3, adaptive=False,
-                                            max_kv_tokens=room)
+                                            max_kv_tokens=room, weights="float32")
         if ref is None:
             ref = {"dec": plain, "docs": [module_text(tok, [m], 1024) for m in PPL_MODULES],
                    "long": module_text(tok, LONG_MODULES, a.long) if a.long else None}

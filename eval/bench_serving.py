@@ -229,6 +229,9 @@ def main(argv=None) -> int:
                     help="server configurations, of: " + ", ".join(CONFIGS))
     ap.add_argument("--ray-address", default=None,
                     help="plain-rR on this Ray cluster (default: a local instance)")
+    ap.add_argument("--weights", default="float32",
+                    help="the servers' --weights (float32: HF's weights as the peer runs them; "
+                         "auto: what specfork serve picks, int4 for the embedded target)")
     ap.add_argument("--out", default="results/serving")
     a = ap.parse_args(argv)
     import torch  # noqa: F401
@@ -248,7 +251,7 @@ def main(argv=None) -> int:
                 + [{"role": "user", "content": qs[i % len(qs)]}] for i in range(n)]
 
     for name in a.configs.split(","):
-        flags = config_flags(name, a.ray_address)
+        flags = config_flags(name, a.ray_address) + ["--weights", a.weights]
         for cache in ((False,) if "--replicas" in flags else (False, True)):
             args = flags + ([] if cache else ["--no-prefix-cache"])
             with Live(args) as srv:

@@ -62,8 +62,9 @@ def main(argv=None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--transports", default="shm,gloo",
                    help="how the ranks' collectives travel: shm (shared memory), gloo")
-    p.add_argument("--weights", default="auto",
-                   help="weight formats, each its own rows (compared with its own N = 1)")
+    p.add_argument("--weights", default="float32",
+                   help="weight formats, each its own rows (compared with its own N = 1; auto: "
+                        "what specfork generate picks)")
     p.add_argument("--out", default="results/tp_cpu")
     a = p.parse_args(argv)
     prompts = [q["text"] for q in load_prompts("mtbench", a.prompts, spread=True)]

@@ -37,8 +37,9 @@ def _args(argv):
     g.add_argument("--beams", type=int, default=0, help="beam search width (CoW fork search)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     g.add_argument("--weights", default="auto", help="the target's weight format: auto, "
-                   "float32, bfloat16, int8 (per channel) or int4 (groups of 32), weight-only "
-                   "(CPU; auto: float32)")
+                   "float32, bfloat16, int8 (Q8_0 blocks) or int4 (Q4_1 blocks), weight-only "
+                   "(CPU; auto: int4 where the weights lie on Q4_1 grids, as the embedded "
+                   "target's GGUF, and the CPU has AVX-512; else float32)")
     g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     _kv_arg(g)
     _tp_arg(g)

@@ -234,7 +234,12 @@ class Model:
         self.kv_cache = kv_cache
         self.kv_codecs = layer_codecs(kv_cache, self.num_layers, self.head_dim, self.dtype,
                                       self.device)
-        self.weights = resolve(weights, self.device)
+        self.weights = resolve(weights, self.device, *(
+            ([getattr(b.self_attn, f).weight for b in body.layers
+              for f in ("q_proj", "k_proj", "v_proj", "o_proj")]
+             + [getattr(b.mlp, f).weight for b in body.layers
+                for f in ("gate_proj", "up_proj", "down_proj")], hf.lm_head.weight)
+            if weights == "auto" else ()))
         low = self.weights != "float32"
         # A stored K/V format other than the model's dtype (float16 or TurboQuant codes) turns
         # last-bit differences into different stored values, and low-bit weights round every

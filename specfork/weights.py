@@ -241,9 +241,36 @@ def check_weights(fmt: str, device: str | torch.device | None) -> None:
                             f"use --dtype")
 
 
-def resolve(fmt: str, device: torch.device) -> str:
-    """`auto` -> the format this machine runs fastest within the exactness contract."""
+def resolve(fmt: str, device: torch.device, matmuls=None, head=None) -> str:
+    """`auto` -> the format this machine runs fastest within the exactness contract: int4 where
+    specfork's kernel runs and every matmul weight of `matmuls` lies exactly on a Q4_1 grid
+    and `head` on a Q8_0 one (a model read from a GGUF of those blocks, as the embedded target:
+    int4 then multiplies by the very weights float32 holds, in float32, and reads a sixth of
+    the bytes), float32 otherwise (and on a GPU, and for weights given as `None`)."""
     check_weights(fmt, device)
     if fmt != "auto":
         return fmt
+    if (torch.device(device).type == "cpu" and matmuls is not None and head is not None
+            and native() and holds(head, "int8") and all(holds(w, "int4") for w in matmuls)):
+        return "int4"
     return "float32"
+
+
+def holds(w: torch.Tensor, fmt: str) -> bool:
+    """Whether `fmt`'s blocks (our kernel's: int4 = Q4_1, int8 = Q8_0) hold `w [N, K]` exactly,
+    as `dequantize` gives them back."""
+    if w.dim() != 2 or w.shape[1] % GROUP or w.dtype != torch.float32:
+        return False
+    N = w.shape[0]
+    for r in range(0, N, 4096):                 # in slices: the vocabulary head is 28M values
+        x = w[r:r + 4096].detach()
+        if fmt == "int4":
+            q, sz = quantize_q4(x)
+            d, m = sz[..., :1].double(), sz[..., 1:].double()
+            back = (q.double().view(x.shape[0], -1, GROUP) * d + m).float()
+        else:
+            q, d = quantize_q8(x)
+            back = q.float().view(x.shape[0], -1, GROUP) * d.float()[..., None]
+        if not torch.equal(back.flatten(1), x):
+            return False
+    return True

@@ -1,8 +1,6 @@
 """Adaptive drafting: the controller turns speculation off where it cannot pay, keeps it where
 it does, brings a cheap drafter back when its shadow score recovers and probes a costly one;
 output stays exactly HF greedy either way; the cost model is timed and interpolated."""
-import math
-
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 

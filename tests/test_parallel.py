@@ -39,7 +39,7 @@ def outputs(target: str, tp: int, prompts: list, max_new: int, raw: bool) -> dic
     """Greedy tokens per prompt: plain, with 3 drafts of the target's default mix, beam
     search (width 3); and the KV bytes per rank of one pool."""
     dec = SpecDecoder.from_pretrained(target, tensor_parallel=tp, dtype=torch.float32,
-                                      device="cpu", max_kv_tokens=4096)
+                                      device="cpu", max_kv_tokens=4096, weights="float32")
     model, tok = dec.model, dec.tokenizer
     try:
         spec = SpecDecoder(model, tok, make_drafters(None, target, model, 3),
@@ -80,10 +80,11 @@ def test_tiny_llama_two_ranks(tiny_dir):
 def test_embedded_model_two_ranks_uneven():
     """3 KV heads over 2 ranks (1 and 2): the same greedy tokens as one process."""
     p = "Give me two tips for writing clear emails."
-    one = SpecDecoder.from_pretrained("smollm2-135m", max_kv_tokens=1024)
+    one = SpecDecoder.from_pretrained("smollm2-135m", max_kv_tokens=1024, weights="float32")
     ids = one.generate(p, max_new_tokens=24).token_ids
     del one
-    dec = SpecDecoder.from_pretrained("smollm2-135m", tensor_parallel=2, max_kv_tokens=1024)
+    dec = SpecDecoder.from_pretrained("smollm2-135m", tensor_parallel=2, max_kv_tokens=1024,
+                                      weights="float32")
     try:
         assert dec.generate(p, max_new_tokens=24).token_ids == ids
     finally:

@@ -229,7 +229,7 @@ def test_cli_beams(smol_dec, capsys):
     from specfork.cli import main
     prompt = "Name three colors."
     assert main(["generate", "--prompt", prompt, "--beams", "2", "--max-new-tokens", "8",
-                 "--json"]) == 0
+                 "--json", "--weights", "float32"]) == 0
     out = json.loads(capsys.readouterr().out)
     res = beam_search(smol_dec.engine, prompt, num_beams=2, max_new_tokens=8)
     assert out["token_ids"] == res.token_ids and out["text"] == res.text

@@ -12,9 +12,9 @@ import torch
 
 from conftest import tiny_model, tree_and_steps
 from specfork.errors import SpecforkError
-from specfork.weights import (GROUP, QuantLinear, check_weights, dequantize, native, pack_q4,
-                              quantize_int4, quantize_int8, quantize_q4, quantize_q8, resolve,
-                              unpack_q4)
+from specfork.weights import (GROUP, QuantLinear, check_weights, dequantize, holds, native,
+                              pack_q4, quantize_int4, quantize_int8, quantize_q4, quantize_q8,
+                              resolve, unpack_q4)
 
 LOW = ("bfloat16", "int8", "int4")
 
@@ -146,6 +146,31 @@ def _tiny_model(weights="float32", hidden=64):
     return tiny_model(weights, hidden=hidden)
 
 
+def test_auto_is_int4_only_where_it_holds_the_weights_exactly():
+    """`auto` picks int4 only for weights on Q4_1 grids with an output layer on a Q8_0 one (a
+    model read from such a GGUF), where it multiplies by the very same values: one weight off
+    its grid, or random weights (the tiny model), keep float32."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 128, generator=g)
+    q, sz = quantize_q4(w)
+    grid4 = (q.double().view(64, -1, GROUP) * sz[..., :1].double()
+             + sz[..., 1:].double()).float().flatten(1)
+    q8, d = quantize_q8(w)
+    grid8 = (q8.float().view(64, -1, GROUP) * d.float()[..., None]).flatten(1)
+    assert holds(grid4, "int4") and holds(grid8, "int8")
+    assert not holds(w, "int4") and not holds(w, "int8")
+    off = grid4.clone()
+    off[5, 7] = torch.nextafter(off[5, 7], torch.tensor(1e9))
+    assert not holds(off, "int4")
+    cpu = torch.device("cpu")
+    assert resolve("auto", cpu, [grid4, grid4[:32]], grid8) == ("int4" if native() else
+                                                                 "float32")
+    for mats, head in (([grid4, off], grid8), ([grid4], w), ([grid4], None)):
+        assert resolve("auto", cpu, mats, head) == "float32"
+    assert resolve("auto", cpu) == "float32" and resolve("int8", cpu) == "int8"
+    assert _tiny_model("auto").weights == "float32"
+
+
 @pytest.mark.parametrize("fmt", LOW)
 def test_model_under_a_format(fmt):
     """Logits near float32's; every matmul in the format (int4: the output layer int8); n-gram
@@ -240,6 +265,9 @@ def test_embedded_target_perplexity_and_speculation(fmt, max_ppl_ratio):
     m = Model(hf, weights=fmt)
     low = logits(m)
     assert math.exp(nll(low) - nll(ref)) < max_ppl_ratio
+    if fmt == "int4" and native():     # the GGUF's own Q4_1 / Q8_0 weights: `auto` takes int4,
+        assert Model(hf, weights="auto").weights == "int4"        # float32's values exactly
+        assert (low - ref).abs().max() < 1e-3
     assert (low.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
     plain = SpecDecoder(m, tok)
     spec = SpecDecoder(m, tok, make_drafters(None, "smollm2-135m", m, 3), num_paths=3,
