@@ -62,7 +62,9 @@ def outputs(target: str, tp: int, prompts: list, max_new: int, raw: bool) -> dic
 
 def check_same(one: dict, many: dict, tp: int) -> None:
     assert many["plain"] == one["plain"]
-    assert many["drafts"] == one["drafts"]
+    # the same tokens; whether a prompt's drafts saved forwards is the adaptive controller's
+    # call from measured step times, which differ between one process and N ranks
+    assert [t for t, _ in many["drafts"]] == [t for t, _ in one["drafts"]]
     assert any(fewer for _, fewer in many["drafts"])      # the drafts did get accepted
     assert [t for t, _ in many["drafts"]] == many["plain"]
     assert many["beam"] == one["beam"]
