@@ -11,8 +11,8 @@ measure, as two additive terms:
   the request does (reset per request);
 - `extra`, learnt from steps that verified a tree: what such a step costs beyond a decode step
   of the same rows, that the timed forwards leave out (building the token tree, the verifier,
-  freeing the rejected forks, adopting the kept one). Under a fast low-bit target it is a tenth
-  of a step, enough to turn a tree that looked worth its rows into a loss; it is a property of
+  freeing the rejected forks, adopting the kept one). Beside a fast low-bit target's short
+  decode step it can turn a tree that looked worth its rows into a loss; it is a property of
   the machine and the drafter mix, so it carries over from request to request.
 """
 from __future__ import annotations
