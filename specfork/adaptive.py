@@ -28,11 +28,11 @@ steps drafts (and is verified) on the next one, so its estimate cannot go stale 
 probe after which it is still not worth its cost doubles that wait (up to `PROBE_MAX` steps),
 and the wait is at least long enough (even past `PROBE_MAX`) that what probes cost beyond
 decode steps (a model draft's catch-up read, its forward, the tree's rows) stays under
-`EXPLORE` of the time, so a
-drafter that never pays (a slow draft beside a fast low-bit target) costs ever less. Between
-probes such a drafter is not weighed at all: its estimates do not move while it does not draft.
+`EXPLORE` of the time, so a drafter that never pays (a slow draft beside a fast low-bit target)
+costs ever less. Between probes such a drafter is not weighed at all: its estimates do not move
+while it does not draft.
 
-Planning itself must be cheap next to a decode step (7 ms on a 2-core CPU with int4 weights):
+Planning itself must be cheap next to a decode step (a few ms on a 2-core CPU with int4 weights):
 the depths of the path drafters are walked in one pass per drafter set and path budget, and
 after an off step in which no shadow drafter would have had a token accepted (every plan's
 value only fell) the search is skipped, up to `REPLAN` steps in a row.

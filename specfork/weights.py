@@ -213,19 +213,28 @@ def unpack_q4(packed: torch.Tensor, group: int = GROUP) -> torch.Tensor:
     return torch.stack((b & 15, b >> 4), dim=2).reshape(N, -1)
 
 
+def dequantize_q4(q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """Q4_1 codes `[N, K]` and (d, m) `[N, K / 32, 2]` -> the fp32 weights our kernel uses
+    (q * d + m rounded once, as the kernel's fma does)."""
+    d, m = sz[..., :1].double(), sz[..., 1:].double()
+    return (q.double().view(q.shape[0], -1, GROUP) * d + m).float().flatten(1)
+
+
+def dequantize_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Q8_0 codes `[N, K]` and d `[N, K / 32]` -> the fp32 weights our kernel uses."""
+    return (q.float().view(q.shape[0], -1, GROUP) * d.float()[..., None]).flatten(1)
+
+
 def dequantize(lin: QuantLinear) -> torch.Tensor:
     """The fp32 weights `[N, K]` the kernel multiplies by (tests, error reports)."""
     if lin.fmt == "bfloat16":
         return lin.w.float()
     if lin.bits == 8:
-        N = lin.w.shape[0]
-        return (lin.w.float().view(N, -1, GROUP) * lin.s.float()[..., None]).view(N, -1)
+        return dequantize_q8(lin.w, lin.s)
     if lin.fmt == "int8":
         return lin.w.float() * lin.s.float()[:, None]
     if lin.bits == 4:
-        q = unpack_q4(lin.w).double().view(lin.w.shape[0], -1, GROUP)
-        d, m = lin.s[..., :1].double(), lin.s[..., 1:].double()
-        return (q * d + m).float().flatten(1)   # fma: one rounding, as the kernel's
+        return dequantize_q4(unpack_q4(lin.w), lin.s)
     raise SpecforkError("int4 weights are kept packed; dequantize before packing")
 
 
@@ -261,16 +270,10 @@ def holds(w: torch.Tensor, fmt: str) -> bool:
     as `dequantize` gives them back."""
     if w.dim() != 2 or w.shape[1] % GROUP or w.dtype != torch.float32:
         return False
-    N = w.shape[0]
-    for r in range(0, N, 4096):                 # in slices: the vocabulary head is 28M values
+    for r in range(0, w.shape[0], 4096):        # in slices: the vocabulary head is 28M values
         x = w[r:r + 4096].detach()
-        if fmt == "int4":
-            q, sz = quantize_q4(x)
-            d, m = sz[..., :1].double(), sz[..., 1:].double()
-            back = (q.double().view(x.shape[0], -1, GROUP) * d + m).float()
-        else:
-            q, d = quantize_q8(x)
-            back = q.float().view(x.shape[0], -1, GROUP) * d.float()[..., None]
-        if not torch.equal(back.flatten(1), x):
+        back = (dequantize_q4(*quantize_q4(x)) if fmt == "int4"
+                else dequantize_q8(*quantize_q8(x)))
+        if not torch.equal(back, x):
             return False
     return True
