@@ -420,8 +420,12 @@ def generate_data(args) -> None:
     hf, tok = load_hf("smollm2-135m", dtype=getattr(torch, getattr(args, "dtype", "bfloat16")),
                       device="cpu")
     tok.padding_side = "left"
-    rows = build_prompts(args.seed, args.prompts, args.code_share, args.text_share,
+    extra = getattr(args, "extra_prompts", None) or []        # train_eagle's self-written ones
+    rows = build_prompts(args.seed, args.prompts - len(extra), args.code_share, args.text_share,
                          args.constraints)
+    if extra:
+        rows += [{"kind": "self", "text": t} for t in extra]
+        random.Random(args.seed + 1).shuffle(rows)
     for r in rows:
         ids = tok.apply_chat_template([{"role": "user", "content": r["text"]}],
                                       add_generation_prompt=True, tokenize=True,

@@ -10,12 +10,18 @@ The shipped head (weights/eagle/train_info.json holds the exact command and what
     python eval/train_eagle.py all --threads 2 --gen-minutes 25 --train-minutes 55 \
         --train-dtype bfloat16 --epochs 12
 
-Prompts are train_draft.py's (templated chat, standard-library code stubs, docstring passages;
-MT-bench and HumanEval excluded); the target answers them with HF `generate` (float32: the
-answers must be the fp32 target's own) and a hook keeps the residual stream entering layers 2, 15 and 27 at every
-position, the same tensors `Model.forward(capture=...)` hands the engine's drafter (equal to
-1e-5, tests/test_eagle.py). Recording them in the generation pass saves a second prefill, which
-on this 2-core CPU runs no faster than batched generation.
+(That run fitted a step count to its first steps' pace; the schedule now follows the clock.)
+
+Prompts: with `--self-prompts`, first the target writes user requests itself (Magpie: sampled
+from the chat template cut just before the user's text; see `self_prompts`), then the rest are
+train_draft.py's (templated chat, standard-library code stubs, docstring passages); MT-bench and
+HumanEval are excluded throughout. The target answers them with HF `generate` (`--dtype`: in
+bfloat16 it runs faster on an AMX CPU, at the price of bf16 rounding in the answers and
+features the head learns from; the head then runs beside a float32 or int4 target) and a hook
+keeps the residual stream entering layers 2, 15 and 27 at every position, the same tensors
+`Model.forward(capture=...)` hands the engine's drafter (equal to 1e-5 in float32,
+tests/test_eagle.py). Recording them in the generation pass saves a second prefill, which on
+this 2-core CPU runs no faster than batched generation.
 
 Training follows EAGLE-3: the head sees (fc(target features at t), token t+1) and predicts token
 t+2; then, for `--unroll` steps, it is fed its own output h with the next token, attending to the
@@ -203,9 +209,17 @@ def head_loss(head, batch, embed, cos, sin, steps: int, negatives: int = 0,
     return total, stats
 
 
+def lr_factor(step: int, total: int, time_used: float, warmup: int) -> float:
+    """Linear warmup, then a cosine decay over whichever runs out first, the steps or the time
+    budget (`time_used`: its share spent). A host that slows down mid-run, as a shared 2-core
+    machine does, still ends inside the budget with the rate decayed; a step count fitted to
+    the pace of steps 6-20 overran a 54-minute budget by 7 minutes."""
+    progress = min(1.0, max(step / total, time_used))
+    return min(1.0, (step + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 def train(args) -> None:
     from safetensors.torch import save_file
-    from transformers import get_cosine_schedule_with_warmup
 
     from specfork.drafters.trained_draft import fingerprint
     from specfork.loader import load_hf
@@ -249,7 +263,7 @@ def train(args) -> None:
     per_epoch = len(batches(tr, args.batch_tokens, random.Random(0)))
     total = args.steps or int(args.epochs * per_epoch)
     ck = args.out / "train_state.pt"
-    step, done, t_prev, log = 0, 0.0, 0.0, []
+    step, done, log = 0, 0.0, []
     if args.resume and ck.is_file():
         st = torch.load(ck, weights_only=False)
         head.load_state_dict(st["head"])
@@ -257,14 +271,18 @@ def train(args) -> None:
         step, total, done, log = st["step"], st["total"], st["seconds"], st["log"]
         rng.setstate(st["rng"])
         print(f"train: resuming at step {step}/{total}", file=sys.stderr)
-    sched = get_cosine_schedule_with_warmup(opt, min(50, total // 20), total)
-    for _ in range(step):
-        sched.step()
+    budget = args.train_minutes * 60
+    warmup = min(50, max(1, total // 20))
+    print(f"train: cosine schedule over {total} steps ({total / per_epoch:.2f} epochs) or "
+          f"{args.train_minutes} minutes, whichever ends first", file=sys.stderr)
     t0 = time.perf_counter()
-    fitted = args.resume or args.steps > 0 or math.isinf(args.train_minutes)
     epoch_batches = []
     neg_gen = torch.Generator().manual_seed(args.seed)
-    while step < total:
+    last = step >= total or done >= budget
+    while not last:
+        el = done + time.perf_counter() - t0
+        for g in opt.param_groups:
+            g["lr"] = args.lr * lr_factor(step, total, el / budget, warmup)
         if not epoch_batches:
             epoch_batches = batches(tr, args.batch_tokens, rng)
         mb = epoch_batches.pop()
@@ -275,26 +293,14 @@ def train(args) -> None:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
-        sched.step()
         step += 1
         el = done + time.perf_counter() - t0
-        if not fitted and step == 5:
-            t5 = time.perf_counter()
-        if not fitted and step == 20:             # fit the schedule to the time budget
-            per = (time.perf_counter() - t5) / 15   # steps 6-20: past the first slow ones
-            left = args.train_minutes * 60 - (time.perf_counter() - t0)
-            total = max(step + 1, min(total, step + int(left / per)))
-            sched = get_cosine_schedule_with_warmup(opt, min(50, total // 20), total)
-            for _ in range(step):
-                sched.step()
-            fitted = True
-            print(f"train: {per:.2f} s/step, schedule of {total} steps "
-                  f"({total / per_epoch:.2f} epochs)", file=sys.stderr)
-        if step % 25 == 0 or step == total:
+        last = step >= total or el >= budget
+        if step % 25 == 0 or last:
             acc = [round(h / max(1, n), 3) for _, h, n in stats]
             print(f"train: step {step}/{total} loss {float(loss.detach()):.3f} acc/step {acc} "
                   f"{el:.0f} s", file=sys.stderr, flush=True)
-        if step % 200 == 0 or step == total:
+        if step % 200 == 0 or last:
             v = evaluate(head, val, t2d_index, embed, cos, sin, args)
             log.append({"step": step, "seconds": round(el), "held_out": v})
             print(f"train: held-out {v}", file=sys.stderr, flush=True)
@@ -317,7 +323,8 @@ def train(args) -> None:
             "data": {"sequences": len(rows), "held_out": n_val,
                      "tokens": int(sum(len(r["ids"]) for r in rows)),
                      "answer_tokens": int(sum(len(r["ids"]) - r["start"] for r in rows)),
-                     "kinds": kinds, "generation_seconds": round(blob.get("seconds", 0))},
+                     "kinds": kinds, "generation_seconds": round(blob.get("seconds", 0)),
+                     "self_prompt_seconds": (blob.get("self_prompts") or {}).get("seconds", 0)},
             "draft_vocab": {"size": len(vocab), "coverage_of_target_argmax": round(coverage, 4)},
             "train": {"steps": step, "epochs": round(step / per_epoch, 2), "lr": args.lr,
                       "unroll": args.unroll, "negatives": args.negatives,
@@ -348,6 +355,48 @@ def evaluate(head, rows, t2d_index, embed, cos, sin, args) -> dict:
             "agreement": [round(h / max(1, n), 4) for _, h, n in tot]}
 
 
+def self_prompts(args) -> list[str]:
+    """Requests the target writes itself (Magpie, Xu et al. 2024): given the chat template only
+    up to the user's turn, an instruction-tuned model samples a user's request. Far more varied
+    than templates, and in the target's own SFT distribution (SmolLM2's chat data is largely of
+    this kind); no benchmark is read. Seeded per batch; kept only when the turn ends within
+    `--self-max` tokens (a batch runs until its last row ends); exact duplicates and any text
+    equal to an MT-bench or HumanEval prompt are dropped. Saved beside `--data`, so
+    `--resume-gen` reuses the same list."""
+    path = args.data.with_suffix(".prompts.json")
+    if args.resume_gen and path.is_file():
+        return json.loads(path.read_text())["prompts"]
+    from prompts import load_prompts
+    from specfork.loader import load_hf
+    hf, tok = load_hf("smollm2-135m", dtype=getattr(torch, args.dtype), device="cpu")
+    marker = "\x00"
+    text = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    head = tok(text[:text.index(marker)], add_special_tokens=False,
+               return_tensors="pt")["input_ids"]                       # [1, P]
+    end, evals = tok.eos_token_id, {p["text"].strip() for p in load_prompts("both")}
+    out, seen, t0, b = [], set(), time.perf_counter(), 0
+    while len(out) < args.self_prompts and time.perf_counter() - t0 < args.self_minutes * 60:
+        torch.manual_seed(args.seed * 1_000_003 + b)
+        ids = head.repeat(args.batch, 1)
+        with torch.inference_mode():
+            seq = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                              max_new_tokens=args.self_max, temperature=1.0, min_p=0.05,
+                              top_k=0, pad_token_id=end)     # min_p: no vocabulary sort
+        for row in seq[:, head.shape[1]:].tolist():
+            if end in row:
+                t = tok.decode(row[:row.index(end)], skip_special_tokens=True).strip()
+                if len(t) >= 12 and t not in seen and t not in evals:
+                    seen.add(t)
+                    out.append(t)
+        b += 1
+        print(f"self-prompts: {len(out)} after {b} batches, {time.perf_counter() - t0:.0f} s",
+              file=sys.stderr, flush=True)
+    out = out[:args.self_prompts]
+    path.write_text(json.dumps({"prompts": out, "batches": b,
+                                "seconds": round(time.perf_counter() - t0)}))
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("stage", choices=["gen", "train", "all"])
@@ -365,7 +414,15 @@ def main(argv=None) -> None:
     g.add_argument("--max-prompt", dest="max_prompt", type=int, default=320)
     g.add_argument("--sampled-frac", dest="sampled_frac", type=float, default=0.25)
     g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
+    g.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32",
+                   help="the target's compute dtype while it answers (bfloat16: faster on a "
+                   "CPU with AMX; answers and features then carry bf16 rounding)")
+    g.add_argument("--self-prompts", dest="self_prompts", type=int, default=0,
+                   help="at most this many of --prompts are requests the target writes itself")
+    g.add_argument("--self-minutes", dest="self_minutes", type=float, default=math.inf,
+                   help="time budget for writing them (on top of --gen-minutes)")
+    g.add_argument("--self-max", dest="self_max", type=int, default=64,
+                   help="longest self-written request, in tokens")
     t = p.add_argument_group("train")
     t.add_argument("--draft-vocab", dest="draft_vocab", type=int, default=8192)
     t.add_argument("--intermediate", type=int, default=1536)
@@ -388,20 +445,27 @@ def main(argv=None) -> None:
                    max_new=args.max_new, max_prompt=args.max_prompt, draft_vocab=args.draft_vocab,
                    intermediate=args.intermediate, unroll=args.unroll, epochs=args.epochs,
                    lr=args.lr, batch_tokens=args.batch_tokens, val_frac=args.val_frac,
-                   gen_minutes=args.gen_minutes, train_minutes=args.train_minutes)
+                   gen_minutes=args.gen_minutes, train_minutes=args.train_minutes,
+                   self_minutes=args.self_minutes, self_max=args.self_max)
+    if not 0 <= args.self_prompts <= args.prompts:
+        raise SpecforkError("--self-prompts must be between 0 and --prompts")
     if args.steps < 0 or args.negatives < 0:
         raise SpecforkError("--steps and --negatives must be >= 0")
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.stage in ("gen", "all"):
         from specfork.drafters.eagle import default_capture
+        extra = self_prompts(args) if args.self_prompts else []
         gen = argparse.Namespace(**{**vars(args), "resume": args.resume_gen},
+                                 extra_prompts=extra,
                                  minutes=args.gen_minutes, topk=TOPK, code_share=0.30,
                                  text_share=0.10, constraints=0.5,
                                  capture=list(default_capture(30)))
         train_draft.generate_data(gen)
         blob = torch.load(args.data)
         blob["capture"] = gen.capture
+        if extra:
+            blob["self_prompts"] = json.loads(args.data.with_suffix(".prompts.json").read_text())
         torch.save(blob, args.data)
     if args.stage in ("train", "all"):
         train(args)

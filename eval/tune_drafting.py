@@ -16,7 +16,8 @@ step). Greedy and
 every config run interleaved per prompt, twice, so machine noise hits all alike; prints
 tokens/s, the ratio to our greedy decoding measured in the same loop, τ, and whether the tokens
 equal greedy's;
-`--out` writes the same as JSON, with the command and the machine.
+`--out` writes the same as JSON, with the command and the machine. `--weights` sets the target's
+weight format (float32 by default; `auto` is what `specfork generate` runs).
 """
 from __future__ import annotations
 
@@ -79,6 +80,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="write the comparison here as JSON")
+    ap.add_argument("--weights", default="float32",
+                    choices=["auto", "float32", "bfloat16", "int8", "int4"],
+                    help="the target's weight format (auto: what `specfork generate` picks)")
     a = ap.parse_args(argv)
     check_positive(max_new_tokens=a.max_new_tokens, reps=a.reps, threads=a.threads)
     cfgs = [parse_config(c) for c in a.configs]
@@ -93,7 +97,7 @@ def main(argv=None):
     from specfork.loader import load_hf
 
     hf, tok = load_hf("smollm2-135m", dtype=torch.float32, device="cpu")
-    model = Model(hf)
+    model = Model(hf, weights=a.weights)
     drafts = {dt: Model(load_trained_draft(hf, dtype=getattr(torch, dt)))
               for dt in {c.get("dtype", "float16") for c in cfgs
                          if "trained" in c["mix"].split(",")}}
@@ -143,7 +147,7 @@ def main(argv=None):
               "exact" if r["tokens_equal_greedy"] else "MISMATCH", flush=True)
     if a.out:
         res = {"command": command("tune_drafting", argv), "machine": host,
-               "target": "smollm2-135m (float32)", "prompts": PROMPTS,
+               "target": f"smollm2-135m ({model.weights})", "prompts": PROMPTS,
                "max_new_tokens": N, "reps": a.reps,
                "timing": "greedy and every config interleaved per prompt; tokens/s counts "
                          "max_new_tokens per run (wall time summed over prompts and reps)",
