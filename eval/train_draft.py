@@ -340,6 +340,12 @@ def function_stubs(path: Path, banned: set[str]) -> tuple[list[str], list[str]]:
     return stubs, docs
 
 
+def eval_texts() -> set[str]:
+    """The reported sets' prompt texts (MT-bench, HumanEval): no training prompt may equal one."""
+    from prompts import load_prompts
+    return {p["text"].strip() for p in load_prompts("both")}
+
+
 def build_prompts(seed: int, n: int, code: float = 0.30, text: float = 0.10,
                   constraints: float = 0.5) -> list[dict]:
     """`n` prompts: templated chat (a `constraints` share with a format instruction), a `code`
@@ -359,7 +365,7 @@ def build_prompts(seed: int, n: int, code: float = 0.30, text: float = 0.10,
              for s in rng.sample(stubs, min(n_code, len(stubs)))]
     rows += [{"kind": "text", "text": rng.choice(TEXT_TEMPLATES).format(doc=d)}
              for d in rng.sample(docs, min(n_text, len(docs)))]
-    evals = {p["text"].strip() for p in load_prompts("both")}
+    evals = eval_texts()
     rows = [r for r in rows if r["text"].strip() not in evals]
     rng.shuffle(rows)
     return rows

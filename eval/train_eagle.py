@@ -366,14 +366,13 @@ def self_prompts(args) -> list[str]:
     path = args.data.with_suffix(".prompts.json")
     if args.resume_gen and path.is_file():
         return json.loads(path.read_text())["prompts"]
-    from prompts import load_prompts
     from specfork.loader import load_hf
     hf, tok = load_hf("smollm2-135m", dtype=getattr(torch, args.dtype), device="cpu")
     marker = "\x00"
     text = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
     head = tok(text[:text.index(marker)], add_special_tokens=False,
                return_tensors="pt")["input_ids"]                       # [1, P]
-    end, evals = tok.eos_token_id, {p["text"].strip() for p in load_prompts("both")}
+    end, evals = tok.eos_token_id, train_draft.eval_texts()
     out, seen, t0, b = [], set(), time.perf_counter(), 0
     while len(out) < args.self_prompts and time.perf_counter() - t0 < args.self_minutes * 60:
         torch.manual_seed(args.seed * 1_000_003 + b)
