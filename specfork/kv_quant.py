@@ -6,7 +6,7 @@ layer). Rotated, every coordinate of a unit vector has the same known density,
 f(t) ~ (1 - t^2)^((D-3)/2) on [-1, 1] (about N(0, 1/D)), so one precomputed Lloyd-Max codebook
 per bit width is optimal for all of them and no per-block scales are needed.
 
-Two refinements, both free in bytes:
+Four refinements, all free in bytes:
 - The stored scale is not |x| but |x| / (u . c), c the decoded unit vector: a Lloyd-Max decode
   is shorter than the vector it codes (its error is orthogonal to the centroid, not to x), so
   |x| * c shrinks every inner product by about the distortion; this scale makes the decode's
@@ -15,13 +15,18 @@ Two refinements, both free in bytes:
   query then moves by the same q . center, which softmax ignores, so the mean is never added
   back. Much of the embedded target's key energy is such a constant direction per head,
   energy the codes would otherwise spend their error on.
-Both lowered the embedded target's perplexity under turbo3.5 in trials on held-out text; what
-the shipped formats give is in results/kv_quant.md (eval/bench_kv_quant.py).
+- Keys are coded scaled per channel, (x - center) * s, and queries divided by s (`key_scales`,
+  calibrated with the centre): the error then falls where the queries read least.
+- Keys get half a bit more than the rate and values half a bit less (`split_rate`): a key's
+  error moves scores through softmax's exponential; a value's is only averaged.
+Each lowered the embedded target's perplexity on held-out text; what the shipped formats give
+is in results/kv_quant.md (eval/bench_kv_quant.py).
 
 A rate is bits per stored coordinate with everything counted (norms, residual norms, sign
-bits): turbo3.5 at D=64 is 224 bits = 28 bytes per vector, 4.57x fewer than float16. After the
-16 norm bits the code bits are split over the rotated coordinates as b and b+1 bits, the b+1
-ones first (at D=64, turbo3.5: 16 coordinates at 4 bits and 48 at 3).
+bits): turbo3.5 at D=64 is 256 + 192 bits = 32 + 24 bytes per key and value, 4.57x fewer than
+float16. After the 16 norm bits a vector's code bits are split over the rotated coordinates as
+b and b+1 bits, the b+1 ones first (at D=64, a turbo3.5 value: 48 coordinates at 3 bits and
+16 at 2).
 
 Attention never rotates keys back: q.k = (R q).(R k), so a layer rotates the query once and
 scores against norm * centroid directly; values are summed in the rotated space and the output
@@ -46,6 +51,7 @@ TURBO_RATES = (4.0, 3.5, 3.0, 2.5)
 KV_FORMATS = ("auto",) + tuple(FLOAT_FORMATS) + tuple(
     f"turbo{r:g}" for r in TURBO_RATES)
 NORM_BITS = 16
+KEY_EXTRA_BITS = 0.5           # turbo{r}: keys at r + 0.5 bits, values at r - 0.5
 
 
 # -- codebooks --------------------------------------------------------------------------------
@@ -196,7 +202,8 @@ class TurboCodec:
     def __init__(self, head_dim: int, rate: float, seed: int, prod: bool = False,
                  dtype: torch.dtype = torch.float32, device="cpu"):
         D = head_dim
-        self.center = None                                    # [KVH, D] keys: set_center
+        self.center = self.scale = None                       # [KVH, D] keys: calibrate
+        self._qscale = None                                   # 1 / scale per query head
         self._rt2 = self._rt2_of = self._layout = None        # caches: _pair_rt, kernel_layout
         total = round(rate * D)
         code_bits = total - NORM_BITS - (NORM_BITS + D if prod else 0)
@@ -238,9 +245,20 @@ class TurboCodec:
                  for (s, n, _), e in zip(self.groups, self.edges)]
         return torch.cat(parts, -1)
 
-    def set_center(self, center: torch.Tensor | None) -> None:
-        """Keys only: code x - center `[KVH, D]` (see the module docstring); None: x itself."""
-        self.center = None if center is None else center.to(self.R.device, torch.float32)
+    def calibrate(self, center: torch.Tensor | None, scale: torch.Tensor | None = None) -> None:
+        """Keys only: code (x - center) * scale, both `[KVH, D]` (see the module docstring,
+        `key_scales`); queries are divided by `scale`. None: no centre / no scale."""
+        dev = self.R.device
+        self.center = None if center is None else center.to(dev, torch.float32)
+        self.scale = None if scale is None else scale.to(dev, torch.float32)
+        self._qscale = None
+
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        """`[..., KVH, D]` -> the float vectors the codes stand for: centred and scaled keys."""
+        xf = x.float()
+        if self.center is not None:
+            xf = xf - self.center
+        return xf if self.scale is None else xf * self.scale
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """`[..., KVH, D]` -> `[..., KVH, nbytes]` uint8."""
@@ -248,30 +266,36 @@ class TurboCodec:
 
     def _encode(self, x: torch.Tensor):
         shape = x.shape[:-1]
-        xf = x.float()
-        if self.center is not None:
-            xf = xf - self.center
-        xf = xf.reshape(-1, self.D)
+        xf = self.prepare(x).reshape(-1, self.D)
         norm = xf.norm(dim=-1, keepdim=True)
         y = (xf / norm.clamp_min(1e-30)) @ self.RT                  # rotated unit rows [N, D]
         rows, c, scale = self._code_rows(y, norm)
         return rows.view(*shape, self.nbytes), c, scale
 
     def encode_decode_pair(self, vc: "TurboCodec", k: torch.Tensor, v: torch.Tensor):
-        """`encode_decode` of a layer's keys (self) and values (`vc`, the same format) in one
-        pass over both: a decode step's K and V are a few rows each, where the number of ops,
-        not their size, sets the time. Returns ((k rows, k decoded), (v rows, v decoded))."""
-        if self.prod or vc.prod or self.groups != vc.groups:
+        """`encode_decode` of a layer's keys (self) and values (`vc`, the same rate or not) in
+        one pass over both: a decode step's K and V are a few rows each, where the number of
+        ops, not their size, sets the time. One batched rotation of both also gives every row
+        the same bits however many rows come (a tensor-parallel rank's fewer heads included).
+        Returns ((k rows, k decoded), (v rows, v decoded))."""
+        if self.prod or vc.prod:
             return self.encode_decode(k), vc.encode_decode(v)
         shape = k.shape[:-1]
-        kf = k.float() if self.center is None else k.float() - self.center
-        xf = torch.stack((kf.reshape(-1, self.D), v.float().reshape(-1, self.D)))   # [2, N, D]
+        xf = torch.stack((self.prepare(k).reshape(-1, self.D),
+                          vc.prepare(v).reshape(-1, self.D)))                # [2, N, D]
         norm = xf.norm(dim=-1, keepdim=True)
         y = torch.bmm(xf / norm.clamp_min(1e-30), self._pair_rt(vc))
-        rows, c, scale = self._code_rows(y.flatten(0, 1), norm.flatten(0, 1))
-        dec = (c.to(self.dtype) * scale.half().to(self.dtype)).view(2, *shape, self.D)
-        rows = rows.view(2, *shape, self.nbytes)
-        return (rows[0], dec[0]), (rows[1], dec[1])
+        if self.groups == vc.groups:
+            rows, c, scale = self._code_rows(y.flatten(0, 1), norm.flatten(0, 1))
+            dec = (c.to(self.dtype) * scale.half().to(self.dtype)).view(2, *shape, self.D)
+            rows = rows.view(2, *shape, self.nbytes)
+            return (rows[0], dec[0]), (rows[1], dec[1])
+        out = []
+        for codec, yi, ni in ((self, y[0], norm[0]), (vc, y[1], norm[1])):
+            rows, c, scale = codec._code_rows(yi, ni)
+            out.append((rows.view(*shape, codec.nbytes),
+                        (c.to(codec.dtype) * scale.half().to(codec.dtype)).view(*shape, self.D)))
+        return out[0], out[1]
 
     def _pair_rt(self, vc: "TurboCodec") -> torch.Tensor:
         if self._rt2_of is not vc:
@@ -354,7 +378,13 @@ class TurboCodec:
         return self._layout
 
     def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
-        """q `[T, H, D]` into the keys' rotated space."""
+        """q `[T, H, D]` into the keys' rotated (and scaled) space: q.k = (R q / s).(R s k)."""
+        if self.scale is not None:
+            H = q.shape[-2]
+            if self._qscale is None or self._qscale.shape[0] != H:
+                self._qscale = (1 / self.scale).repeat_interleave(
+                    H // self.scale.shape[0], 0).to(q.dtype)              # [H, D]
+            q = q * self._qscale
         return q @ self.RT_
 
     def unrotate(self, o: torch.Tensor) -> torch.Tensor:
@@ -374,6 +404,14 @@ def parse_kv_format(name: str) -> tuple[str, float | None, bool]:
                         f"{', '.join(KV_FORMATS)}; turbo formats also as '<name>-prod')")
 
 
+def split_rate(rate: float) -> tuple[float, float]:
+    """A turbo format's (key, value) bits per coordinate: the same bytes as `rate` for both,
+    moved half a bit from values to keys. Scores amplify key errors through softmax's
+    exponential, values only average theirs; on the embedded target this split lowers the
+    perplexity gap at every rate (results/kv_quant.md)."""
+    return rate + KEY_EXTRA_BITS, rate - KEY_EXTRA_BITS
+
+
 def layer_codecs(name: str, num_layers: int, head_dim: int, model_dtype: torch.dtype,
                  device="cpu", seed: int = 0) -> list | None:
     """Per layer (key codec, value codec) for a KV format, or None when the pool stores the
@@ -385,9 +423,31 @@ def layer_codecs(name: str, num_layers: int, head_dim: int, model_dtype: torch.d
             return None
         c = FloatCodec(head_dim, dt, model_dtype)
         return [(c, c)] * num_layers
-    return [(TurboCodec(head_dim, rate, seed + 2 * i, prod, model_dtype, device),
-             TurboCodec(head_dim, rate, seed + 2 * i + 1, False, model_dtype, device))
-            for i in range(num_layers)]
+    kr, vr = split_rate(rate)
+    try:
+        return [(TurboCodec(head_dim, kr, seed + 2 * i, prod, model_dtype, device),
+                 TurboCodec(head_dim, vr, seed + 2 * i + 1, False, model_dtype, device))
+                for i in range(num_layers)]
+    except SpecforkError:
+        raise SpecforkError(f"KV format {name} does not fit head_dim {head_dim}") from None
+
+
+def key_scales(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Per kv head and channel, the scale s `[KVH, D]` keys are coded at (`calibrate`), from a
+    calibration forward's post-RoPE queries `[T, H, D]` and centred keys `[T', KVH, D]`.
+
+    The rotated codes' error e is isotropic with |e| ~ |s k|, so a score's error (q / s) . e
+    has variance ~ sum_i (q_i / s_i)^2 * sum_j (s_j k_j)^2, least (Cauchy-Schwarz) at
+    s_i = (E q_i^2 / E k_i^2)^(1/4): channels the queries read strongly get more of the key's
+    code. Exact in infinite precision (q.k = (q / s).(s k)); geometric mean 1 per head,
+    rounded to bfloat16 so that tensor-parallel ranks get the same scales as one process."""
+    KVH, D = keys.shape[-2:]
+    q2 = q.float().reshape(q.shape[0], KVH, -1, D).pow(2).mean((0, 2))      # [KVH, D]
+    k2 = keys.float().pow(2).mean(0)                                         # [KVH, D]
+    ratio = (q2 / k2.clamp_min(1e-20)).clamp(1e-8, 1e8)
+    s = ratio.pow(0.25)
+    s = s / s.log().mean(-1, keepdim=True).exp()
+    return s.bfloat16().float()
 
 
 class StoredSlots:

@@ -166,17 +166,17 @@ def test_release_keeps_ancestors_frees_own_blocks_and_splices():
     assert a.parent is None and a.base == 0 and pool.used_blocks == 1
     assert_reads(tree, a, K[:, :16], V[:, :16])
 
-    tip, chain_k = a, [K[:, :16]]
+    tip, chain_k, chain_v = a, [K[:, :16]], [V[:, :16]]
     for i in range(200):                             # decode-style chain: fork, extend, drop old
         nxt = tree.fork(tip)
         k, v = rand(1, 1000 + i)
-        put(tree, nxt, k, k)
+        put(tree, nxt, k, v)
         tree.release(tip)
         tip = nxt
         chain_k.append(k)
+        chain_v.append(v)
         assert tip.parent is None                    # depth stays bounded
-    allk = torch.cat(chain_k, 1)
-    assert_reads(tree, tip, allk, torch.cat([V[:, :16], allk[:, 16:]], 1))
+    assert_reads(tree, tip, torch.cat(chain_k, 1), torch.cat(chain_v, 1))
     assert pool.used_blocks == -(-216 // BS)
     with pytest.raises(BranchReleased):
         tree.fork(a)
@@ -242,13 +242,14 @@ def test_exhaustion_raises_and_leaves_everything_unchanged():
 def test_pool_sizing_dtype_and_accounting():
     if CODECS is None:
         per_block, row, dtype = 2 * L * BS * H * D * 2, D, torch.bfloat16        # bf16
-    else:                          # turbo3.5 at D = 16: 56 bits = 7 bytes per vector
-        per_block, row, dtype = 2 * L * BS * H * 7, 7, torch.uint8
+    else:                          # turbo3.5 at D = 16: keys 64 bits, values 48 (8 + 6 bytes)
+        per_block, row, dtype = L * BS * H * (8 + 6), 8, torch.uint8
     pool = BlockPool(L, H, D, block_size=BS, max_bytes=10 * per_block + 5, dtype=torch.bfloat16,
                      codecs=CODECS)
     assert pool.num_blocks == 10 and pool.block_bytes == per_block
     assert pool.block_bytes == (pool.k.nbytes + pool.v.nbytes) // 10
     assert pool.k.shape == (L, 10, BS, H, row) and pool.k.dtype == dtype
+    assert pool.v.shape == (L, 10, BS, H, D if CODECS is None else 6)
     with pytest.raises(ValueError):
         BlockPool(L, H, D, block_size=BS, max_bytes=per_block - 1)
     with pytest.raises(ValueError):

@@ -21,17 +21,21 @@ EXAMPLES, STEPS = 200, 75          # >= 10^4 operations in all (checked below)
 pick = st.integers(0, 63)
 
 
-CODECS = None     # a TurboQuant pool: slots hold uint8 rows (here 8 bytes: two floats' bytes)
+CODECS = None     # a TurboQuant pool: slots hold uint8 rows (turbo4 at D = 16: keys 9 bytes,
+                  # values 7), here filled with the bytes of two floats, zero-padded or cut
 
 
 def kv(vals: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
     """Token values -> K, V `[layers, n, 1 head, row]`, distinct per layer and channel: two
-    floats, or on a TurboQuant pool the 8 bytes of those floats as its uint8 rows."""
+    floats, or on a TurboQuant pool the 8 bytes of those floats as its uint8 rows (keys: one
+    zero byte more; values: the last byte cut, the first float still whole)."""
     t = torch.tensor(vals, dtype=torch.float32).reshape(-1)
     k = torch.stack([torch.stack([t + l, t + l + 0.5], -1) for l in range(LAYERS)])
     k, v = k[:, :, None, :], -k[:, :, None, :]
     if CODECS is not None:
         k, v = k.contiguous().view(torch.uint8), v.contiguous().view(torch.uint8)
+        k = torch.cat((k, torch.zeros_like(k[..., :1])), -1)
+        v = v[..., :-1]
     return k, v
 
 
@@ -39,7 +43,7 @@ def make_pool() -> BlockPool:
     if CODECS is None:
         return BlockPool(LAYERS, 1, 2, block_size=BS, num_blocks=NUM_BLOCKS)
     pool = BlockPool(LAYERS, 1, 16, block_size=BS, num_blocks=NUM_BLOCKS, codecs=CODECS)
-    assert pool.k.shape[-1] == 8 and pool.k.dtype == torch.uint8
+    assert (pool.k.shape[-1], pool.v.shape[-1]) == (9, 7) and pool.k.dtype == torch.uint8
     return pool
 
 
