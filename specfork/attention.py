@@ -173,8 +173,8 @@ class AttnMeta:
         """One layer: q `[T, H, D]`, the new k/v `[T, KVH, D]` (already written), the layer's
         pool as slot arrays `[slots, KVH, D]` (or `StoredSlots` that decode what is read)
         -> `[T, H, D]`."""
-        if self.slots is not None and isinstance(k_slots, torch.Tensor):
-            return slot_op.slot_attention(q, k_slots, v_slots, *self.slots, scale)
+        if self.slots is not None:
+            return slot_attend(q, k_slots, v_slots, self.slots, scale)
         if self.run is not None:                  # CPU decode / cascade over a long prefix
             a, r = self.run
             kr, vr = k_slots[a:a + r], v_slots[a:a + r]                  # views, no copy
@@ -262,8 +262,8 @@ class BatchMeta:
                scale: float) -> torch.Tensor:
         outs = []
         for a, n, slots, m in self.groups:
-            if slots is not None and isinstance(k_slots, torch.Tensor):
-                outs.append(slot_op.slot_attention(q[a:a + n], k_slots, v_slots, *slots, scale))
+            if slots is not None:
+                outs.append(slot_attend(q[a:a + n], k_slots, v_slots, slots, scale))
             else:
                 outs.append(m.attend(q[a:a + n], k[a:a + n], v[a:a + n], k_slots, v_slots,
                                      scale))
@@ -281,13 +281,25 @@ def _merge_slots(parts: list) -> tuple:
 
 def uses_slot_op(model) -> bool:
     """Decode steps and ROWS trees go through the compiled slot op (`kernels/slot_attention`):
-    float32 K/V in plain slots on a CPU whose vector path covers the head size. Not under
-    tensor parallelism for now (a precaution while a Ctrl-C test of the ranks fails in full
-    suite runs, on an AMD EPYC and a Xeon alike; turning the op off there did not cure it)."""
+    float32 K/V in plain slots, or TurboQuant codes (`kernels/code_attention`), on a CPU whose
+    vector path covers the head size. Not under tensor parallelism for now (a precaution while
+    a Ctrl-C test of the ranks fails in full suite runs, on an AMD EPYC and a Xeon alike;
+    turning the op off there did not cure it)."""
+    codecs = getattr(model, "kv_codecs", None)
     return (model.device.type == "cpu" and model.dtype == torch.float32
-            and getattr(model, "kv_codecs", None) is None
+            and (codecs is None or all(getattr(c, "cpu_program", lambda: None)() is not None
+                                       for c in codecs[0]))
             and getattr(model, "world", 1) == 1
             and slot_op.available(model.head_dim))
+
+
+def slot_attend(q: torch.Tensor, k_slots, v_slots, slots: tuple, scale: float) -> torch.Tensor:
+    """The slot op over a layer's pool: float slots, or `StoredSlots` of TurboQuant rows that
+    the op decodes as it reads them."""
+    if isinstance(k_slots, torch.Tensor):
+        return slot_op.slot_attention(q, k_slots, v_slots, *slots, scale)
+    return slot_op.code_attention(q, k_slots.raw, v_slots.raw, *slots, scale,
+                                  *k_slots.codec.cpu_program(), *v_slots.codec.cpu_program())
 
 
 def _tree_rows(prefix: torch.Tensor, tree_mask: torch.Tensor, write: torch.Tensor | None,

@@ -203,7 +203,7 @@ class TurboCodec:
                  dtype: torch.dtype = torch.float32, device="cpu"):
         D = head_dim
         self.center = self.scale = None                       # [KVH, D] keys: calibrate
-        self._qscale = None                                   # 1 / scale per query head
+        self._qscale = self._program = None                   # caches: rotate_query, cpu_program
         self._rt2 = self._rt2_of = self._layout = None        # caches: _pair_rt, kernel_layout
         total = round(rate * D)
         code_bits = total - NORM_BITS - (NORM_BITS + D if prod else 0)
@@ -376,6 +376,31 @@ class TurboCodec:
             lay[:, 4] = self.offset.to(torch.int32).cpu()
             self._layout = (lay.to(self.table.device), self.table.float().contiguous())
         return self._layout
+
+    def cpu_program(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(program `[units, 16]` int32, centroid units float32) for the CPU op to decode these
+        rows a unit at a time (`kernels/code_attention.cpp`), as `decode` does with `luts`: per
+        unit its first coordinate, u (codes per unit), where its table starts, how many plane
+        fields make its index and, per field, (byte, shift, mask, position in the index).
+        None for prod (its QJL term needs a matmul)."""
+        if self.prod:
+            return None
+        if self._program is None:
+            prog, tabs, base, at = [], [], 0, 2
+            for (start, n, bits), (lut, fields) in zip(self.groups, self.luts):
+                u = lut.shape[1]
+                units = [[start + k * u, u, base, len(fields)] + [0] * 12 for k in range(n // u)]
+                for j, (w, off, _) in enumerate(fields):
+                    fb = u * w                                # field bits per unit
+                    for k, row in enumerate(units):
+                        row[4 + 4 * j:8 + 4 * j] = [at + k * fb // 8, k * fb % 8,
+                                                    (1 << fb) - 1, off]
+                    at += n * w // 8
+                prog += units
+                tabs.append(lut.float().flatten().cpu())
+                base += lut.numel()
+            self._program = (torch.tensor(prog, dtype=torch.int32), torch.cat(tabs))
+        return self._program
 
     def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
         """q `[T, H, D]` into the keys' rotated (and scaled) space: q.k = (R q / s).(R s k)."""

@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 
+#include "slot_attention.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -33,29 +35,6 @@ static void scores(const float* q, int G, int64_t qstride, const float* k, int64
       s[g * n + j] = _mm512_reduce_add_ps(acc) * scale;
     }
   }
-}
-
-// s <- exp(s - max s), returns the sum (in 16 lanes, then across them).
-static float softmax_unnormed(float* s, int64_t n) {
-  __m512 mx = _mm512_set1_ps(-INFINITY);
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
-  float m = _mm512_reduce_max_ps(mx);
-  for (; j < n; ++j) m = std::max(m, s[j]);
-  const __m512 mv = _mm512_set1_ps(m);
-  __m512 sum = _mm512_setzero_ps();
-  for (j = 0; j + 16 <= n; j += 16) {
-    __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
-    _mm512_storeu_ps(s + j, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  if (j < n) {
-    const __mmask16 tail = (__mmask16)((1u << (n - j)) - 1);
-    __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), mv));
-    _mm512_mask_storeu_ps(s + j, tail, e);
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
-  }
-  return _mm512_reduce_add_ps(sum);
 }
 
 // out[g] = sum_j p[g][j] v_j / z[g], D a multiple of 16 and at most 256.
@@ -127,40 +106,32 @@ at::Tensor slot_attention(at::Tensor q, const at::Tensor& k, const at::Tensor& v
   TORCH_CHECK(G <= 64, "at most 64 query heads per kv head");
   auto out = at::empty_like(q);
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const int64_t *ip = idx.data_ptr<int64_t>(), *op = offs.data_ptr<int64_t>();
+  const int64_t* op = offs.data_ptr<int64_t>();
   float* outp = out.data_ptr<float>();
   const int64_t kstride = KVH * D;
-  for (int64_t r = 0; r < R; ++r)
-    TORCH_CHECK(op[r + 1] > op[r] && op[r] >= 0 && op[r + 1] <= idx.numel(),
-                "each row reads at least one slot, within idx");
 #if defined(__AVX512F__)
   const bool vec = D % 16 == 0 && D <= 256;
 #else
   const bool vec = false;
 #endif
-  at::parallel_for(0, R * KVH, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> s;
-    for (int64_t it = a; it < b; ++it) {
-      const int64_t r = it / KVH, h = it % KVH;
-      const int64_t n = op[r + 1] - op[r];
-      const int64_t* ix = ip + op[r];
-      const float* qr = qp + (r * H + h * G) * D;
-      float* orow = outp + (r * H + h * G) * D;
-      const float* kh = kp + h * D;
-      const float* vh = vp + h * D;
-      s.resize((size_t)(G * n));
-      float z[64];
-      if (vec) {
+  each_row_head(R, KVH, idx, op, [&](int64_t r, int64_t h, const int64_t* ix, int64_t n,
+                                     std::vector<float>& s) {
+    const float* qr = qp + (r * H + h * G) * D;
+    float* orow = outp + (r * H + h * G) * D;
+    const float* kh = kp + h * D;
+    const float* vh = vp + h * D;
+    s.resize((size_t)(G * n));
+    float z[64];
+    if (vec) {
 #if defined(__AVX512F__)
-        scores(qr, G, D, kh, kstride, ix, n, (int)D, (float)scale, s.data());
-        for (int g = 0; g < G; ++g) z[g] = softmax_unnormed(s.data() + g * n, n);
-        weighted_values(s.data(), z, G, vh, kstride, ix, n, (int)D, orow, D);
+      scores(qr, G, D, kh, kstride, ix, n, (int)D, (float)scale, s.data());
+      for (int g = 0; g < G; ++g) z[g] = softmax_unnormed(s.data() + g * n, n);
+      weighted_values(s.data(), z, G, vh, kstride, ix, n, (int)D, orow, D);
 #endif
-      } else {
-        scores_ref(qr, G, D, kh, kstride, ix, n, (int)D, (float)scale, s.data());
-        for (int g = 0; g < G; ++g) z[g] = softmax_ref(s.data() + g * n, n);
-        weighted_ref(s.data(), z, G, vh, kstride, ix, n, (int)D, orow, D);
-      }
+    } else {
+      scores_ref(qr, G, D, kh, kstride, ix, n, (int)D, (float)scale, s.data());
+      for (int g = 0; g < G; ++g) z[g] = softmax_ref(s.data() + g * n, n);
+      weighted_ref(s.data(), z, G, vh, kstride, ix, n, (int)D, orow, D);
     }
   });
   return out;

@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 SRC = Path(__file__).with_suffix(".cpp")
-# one library: the slot op, the low-bit matmuls (lowbit_linear.cpp), the fused small ops
+# one library: the slot op, its reading of TurboQuant codes, the low-bit matmuls (lowbit_linear.cpp), the fused small ops
 # (layer_ops.cpp), the decoder-layer loop that calls them (layer_stack.cpp) and their headers
-SOURCES = [SRC] + [SRC.with_name(f) for f in ("lowbit_linear.cpp", "layer_ops.cpp",
-                                               "layer_stack.cpp")]
+SOURCES = [SRC] + [SRC.with_name(f) for f in ("code_attention.cpp", "lowbit_linear.cpp",
+                                               "layer_ops.cpp", "layer_stack.cpp")]
 HEADERS = [SRC.with_suffix(".h")] + [SRC.with_name(f) for f in ("lowbit_linear.h", "layer_ops.h",
                                                                   "vec_math.h")]
 # -fopenmp: at::parallel_for splits work over torch's threads only where OpenMP is compiled in;
@@ -101,6 +101,15 @@ def slot_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor
     where this process has not (a tensor-parallel rank runs what rank 0's step chose)."""
     ops = _OPS[0] if _OPS else _load()
     return ops.slot_attention(q, k_slots, v_slots, idx, offs, scale)
+
+
+def code_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
+                   idx: torch.Tensor, offs: torch.Tensor, scale: float, kprog: torch.Tensor,
+                   klut: torch.Tensor, vprog: torch.Tensor, vlut: torch.Tensor) -> torch.Tensor:
+    """`slot_attention` over TurboQuant rows `[S, KVH, nbytes]` uint8, each decoded as it is
+    read with its codec's `cpu_program` (program, centroid units)."""
+    ops = _OPS[0] if _OPS else _load()
+    return ops.code_attention(q, k_rows, v_rows, idx, offs, scale, kprog, klut, vprog, vlut)
 
 
 def slot_attention_ref(q, k_slots, v_slots, idx, offs, scale) -> torch.Tensor:
