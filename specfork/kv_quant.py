@@ -54,6 +54,13 @@ NORM_BITS = 16
 KEY_EXTRA_BITS = 0.5           # turbo{r}: keys at r + 0.5 bits, values at r - 0.5
 
 
+def _code_ops() -> bool:
+    """Whether the compiled CPU ops (kernels/slot_attention.py's library, with
+    code_encode.cpp) are built here; without a compiler the torch paths code the rows."""
+    from specfork.kernels import slot_attention as slot_op
+    return slot_op.available()
+
+
 # -- codebooks --------------------------------------------------------------------------------
 
 @lru_cache(maxsize=None)
@@ -203,7 +210,8 @@ class TurboCodec:
                  dtype: torch.dtype = torch.float32, device="cpu"):
         D = head_dim
         self.center = self.scale = None                       # [KVH, D] keys: calibrate
-        self._qscale = self._program = None                   # caches: rotate_query, cpu_program
+        self._qscale = self._program = self._op = None        # caches: rotate_query,
+        #                                                       cpu_program, _op_args
         self._rt2 = self._rt2_of = self._layout = None        # caches: _pair_rt, kernel_layout
         total = round(rate * D)
         code_bits = total - NORM_BITS - (NORM_BITS + D if prod else 0)
@@ -262,6 +270,8 @@ class TurboCodec:
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """`[..., KVH, D]` -> `[..., KVH, nbytes]` uint8."""
+        if self._op_encodes(x):
+            return self.encode_decode(x)[0]
         return self._encode(x)[0]
 
     def _encode(self, x: torch.Tensor):
@@ -272,13 +282,33 @@ class TurboCodec:
         rows, c, scale = self._code_rows(y, norm)
         return rows.view(*shape, self.nbytes), c, scale
 
+    def _op_encodes(self, x: torch.Tensor) -> bool:
+        """Whether the compiled encoder (`kernels/code_encode.cpp`) codes x: on a CPU, for
+        float32 models, where the ops are built; prod (QJL) stays in torch."""
+        return (not self.prod and x.device.type == "cpu" and self.dtype == torch.float32
+                and _code_ops())
+
+    def _op_args(self) -> tuple:
+        """The encoder's constant inputs: rotation, codebooks, their edges, per coordinate
+        (table offset, edges offset, edge count), the bit-plane layout and the row size."""
+        if self._op is None:
+            lay, table = self.kernel_layout()
+            offs, at = [], 0
+            for (_, n, _), e in zip(self.groups, self.edges):
+                offs += [(at, e.numel())] * n
+                at += e.numel()
+            cinfo = torch.tensor([self.offset.tolist(), [o for o, _ in offs],
+                                  [c for _, c in offs]], dtype=torch.int32)
+            self._op = (self.RT.float().contiguous(), table,
+                        torch.cat(self.edges).float().cpu(), cinfo, lay.cpu(), self.nbytes)
+        return self._op
+
     def encode_decode_pair(self, vc: "TurboCodec", k: torch.Tensor, v: torch.Tensor):
         """`encode_decode` of a layer's keys (self) and values (`vc`, the same rate or not) in
         one pass over both: a decode step's K and V are a few rows each, where the number of
-        ops, not their size, sets the time. One batched rotation of both also gives every row
-        the same bits however many rows come (a tensor-parallel rank's fewer heads included).
-        Returns ((k rows, k decoded), (v rows, v decoded))."""
-        if self.prod or vc.prod:
+        ops, not their size, sets the time (the compiled encoder: one call each). Returns
+        ((k rows, k decoded), (v rows, v decoded))."""
+        if self.prod or vc.prod or self._op_encodes(k):
             return self.encode_decode(k), vc.encode_decode(v)
         shape = k.shape[:-1]
         xf = torch.stack((self.prepare(k).reshape(-1, self.D),
@@ -323,6 +353,10 @@ class TurboCodec:
     def encode_decode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`encode(x)` and `decode` of it, the decode taken from the encoder's own codes (the
         same values, without unpacking what was just packed)."""
+        if self._op_encodes(x):
+            rows, dec = torch.ops.specfork.code_encode(
+                self.prepare(x).reshape(-1, self.D), *self._op_args())
+            return rows.view(*x.shape[:-1], self.nbytes), dec.view(*x.shape[:-1], self.D)
         rows, c, scale = self._encode(x)
         if self.prod:
             return rows, self.decode(rows)

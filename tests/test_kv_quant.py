@@ -67,6 +67,27 @@ def test_codec_round_trip_distortion_and_bytes(rate):
                                (q * back).sum(-1), atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.parametrize("rate", [4.5, 3.0, 2.0])
+def test_compiled_encoder_matches_torch_and_ignores_the_row_count(rate):
+    """The CPU encoder (kernels/code_encode.cpp) stores what the torch steps store (codes of
+    all but boundary ties equal, decode exact to its own rows), and a row's bytes do not
+    depend on how many rows share the call: a verify tree codes what a decode step would."""
+    from specfork.kernels import slot_attention as slot_op
+    if not slot_op.available():
+        pytest.skip("no C++ toolchain for the CPU ops")
+    c = TurboCodec(64, rate, seed=5)
+    c.calibrate(torch.randn(3, 64), torch.rand(3, 64) + 0.5)
+    x = torch.randn(700, 3, 64, generator=torch.Generator().manual_seed(2)) * 5
+    assert c._op_encodes(x)
+    rows, dec = c.encode_decode(x)
+    ref_rows = c._encode(x)[0]
+    assert (rows == ref_rows).all(-1).float().mean() > 0.999
+    assert torch.equal(c.decode(rows), dec)
+    for i in (0, 17, 699):
+        alone, _ = c.encode_decode(x[i:i + 1])
+        assert torch.equal(alone[0], rows[i])
+
+
 def test_prod_inner_products_are_unbiased_and_mse_ones_are_not():
     """TurboQuant-prod: over 10^4 pairs (q = x + noise, so q . x is large) the mean error of
     q . x_hat is within 4 standard errors of 0. The plain MSE decode |x| * c shrinks toward 0:

@@ -26,10 +26,12 @@ from pathlib import Path
 import torch
 
 SRC = Path(__file__).with_suffix(".cpp")
-# one library: the slot op, its reading of TurboQuant codes, the low-bit matmuls (lowbit_linear.cpp), the fused small ops
+# one library: the slot op, its reading and writing of TurboQuant codes (code_attention.cpp,
+# code_encode.cpp), the low-bit matmuls (lowbit_linear.cpp), the fused small ops
 # (layer_ops.cpp), the decoder-layer loop that calls them (layer_stack.cpp) and their headers
-SOURCES = [SRC] + [SRC.with_name(f) for f in ("code_attention.cpp", "lowbit_linear.cpp",
-                                               "layer_ops.cpp", "layer_stack.cpp")]
+SOURCES = [SRC] + [SRC.with_name(f) for f in ("code_attention.cpp", "code_encode.cpp",
+                                               "lowbit_linear.cpp", "layer_ops.cpp",
+                                               "layer_stack.cpp")]
 HEADERS = [SRC.with_suffix(".h")] + [SRC.with_name(f) for f in ("lowbit_linear.h", "layer_ops.h",
                                                                   "vec_math.h")]
 # -fopenmp: at::parallel_for splits work over torch's threads only where OpenMP is compiled in;
