@@ -71,7 +71,7 @@ def paper_points() -> list[dict]:
 
 def distortion(dec_ref, dec, ids: list[int]) -> dict:
     """Relative MSE of the float32 pool's real K and V (one prefill of `ids`) through `dec`'s
-    codecs: for keys, of the centred, scaled keys (what the format stores and attention reads)."""
+    codecs: for keys, of the centred keys (what the format stores and attention reads)."""
     codecs = dec.model.kv_codecs
     if codecs is None:
         return {"k": 0.0, "v": 0.0}
@@ -87,7 +87,7 @@ def distortion(dec_ref, dec, ids: list[int]) -> dict:
             kf, vf = kv.pool.layer_slots(i)
             for name, c, x in (("k", kc, kf[s]), ("v", vc, vf[s])):
                 back = c.decode(c.encode(x))
-                if c.rotated:                  # codes stand for centred, scaled keys
+                if c.rotated:                  # codes stand for centred keys
                     back, x = back @ c.R, c.prepare(x)
                 errs[name].append(((back - x).pow(2).sum(-1) / x.pow(2).sum(-1)).mean().item())
     finally:

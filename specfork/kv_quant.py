@@ -6,7 +6,7 @@ layer). Rotated, every coordinate of a unit vector has the same known density,
 f(t) ~ (1 - t^2)^((D-3)/2) on [-1, 1] (about N(0, 1/D)), so one precomputed Lloyd-Max codebook
 per bit width is optimal for all of them and no per-block scales are needed.
 
-Four refinements, all free in bytes:
+Three refinements, all free in bytes:
 - The stored scale is not |x| but |x| / (u . c), c the decoded unit vector: a Lloyd-Max decode
   is shorter than the vector it codes (its error is orthogonal to the centroid, not to x), so
   |x| * c shrinks every inner product by about the distortion; this scale makes the decode's
@@ -15,8 +15,6 @@ Four refinements, all free in bytes:
   query then moves by the same q . center, which softmax ignores, so the mean is never added
   back. Much of the embedded target's key energy is such a constant direction per head,
   energy the codes would otherwise spend their error on.
-- Keys are coded scaled per channel, (x - center) * s, and queries divided by s (`key_scales`,
-  calibrated with the centre): the error then falls where the queries read least.
 - Keys get half a bit more than the rate and values half a bit less (`split_rate`): a key's
   error moves scores through softmax's exponential; a value's is only averaged.
 Each lowered the embedded target's perplexity on held-out text; what the shipped formats give
@@ -209,9 +207,8 @@ class TurboCodec:
     def __init__(self, head_dim: int, rate: float, seed: int, prod: bool = False,
                  dtype: torch.dtype = torch.float32, device="cpu"):
         D = head_dim
-        self.center = self.scale = None                       # [KVH, D] keys: calibrate
-        self._qscale = self._program = self._op = None        # caches: rotate_query,
-        #                                                       cpu_program, _op_args
+        self.center = None                                    # [KVH, D] keys: set_center
+        self._program = self._op = None                       # caches: cpu_program, _op_args
         self._rt2 = self._rt2_of = self._layout = None        # caches: _pair_rt, kernel_layout
         total = round(rate * D)
         code_bits = total - NORM_BITS - (NORM_BITS + D if prod else 0)
@@ -253,20 +250,14 @@ class TurboCodec:
                  for (s, n, _), e in zip(self.groups, self.edges)]
         return torch.cat(parts, -1)
 
-    def calibrate(self, center: torch.Tensor | None, scale: torch.Tensor | None = None) -> None:
-        """Keys only: code (x - center) * scale, both `[KVH, D]` (see the module docstring,
-        `key_scales`); queries are divided by `scale`. None: no centre / no scale."""
-        dev = self.R.device
-        self.center = None if center is None else center.to(dev, torch.float32)
-        self.scale = None if scale is None else scale.to(dev, torch.float32)
-        self._qscale = None
+    def set_center(self, center: torch.Tensor | None) -> None:
+        """Keys only: code x - center `[KVH, D]` (see the module docstring); None: x itself."""
+        self.center = None if center is None else center.to(self.R.device, torch.float32)
 
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
-        """`[..., KVH, D]` -> the float vectors the codes stand for: centred and scaled keys."""
+        """`[..., KVH, D]` -> the float vectors the codes stand for: keys centred."""
         xf = x.float()
-        if self.center is not None:
-            xf = xf - self.center
-        return xf if self.scale is None else xf * self.scale
+        return xf if self.center is None else xf - self.center
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """`[..., KVH, D]` -> `[..., KVH, nbytes]` uint8."""
@@ -437,13 +428,7 @@ class TurboCodec:
         return self._program
 
     def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
-        """q `[T, H, D]` into the keys' rotated (and scaled) space: q.k = (R q / s).(R s k)."""
-        if self.scale is not None:
-            H = q.shape[-2]
-            if self._qscale is None or self._qscale.shape[0] != H:
-                self._qscale = (1 / self.scale).repeat_interleave(
-                    H // self.scale.shape[0], 0).to(q.dtype)              # [H, D]
-            q = q * self._qscale
+        """q `[T, H, D]` into the keys' rotated space."""
         return q @ self.RT_
 
     def unrotate(self, o: torch.Tensor) -> torch.Tensor:
@@ -489,24 +474,6 @@ def layer_codecs(name: str, num_layers: int, head_dim: int, model_dtype: torch.d
                 for i in range(num_layers)]
     except SpecforkError:
         raise SpecforkError(f"KV format {name} does not fit head_dim {head_dim}") from None
-
-
-def key_scales(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Per kv head and channel, the scale s `[KVH, D]` keys are coded at (`calibrate`), from a
-    calibration forward's post-RoPE queries `[T, H, D]` and centred keys `[T', KVH, D]`.
-
-    The rotated codes' error e is isotropic with |e| ~ |s k|, so a score's error (q / s) . e
-    has variance ~ sum_i (q_i / s_i)^2 * sum_j (s_j k_j)^2, least (Cauchy-Schwarz) at
-    s_i = (E q_i^2 / E k_i^2)^(1/4): channels the queries read strongly get more of the key's
-    code. Exact in infinite precision (q.k = (q / s).(s k)); geometric mean 1 per head,
-    rounded to bfloat16 so that tensor-parallel ranks get the same scales as one process."""
-    KVH, D = keys.shape[-2:]
-    q2 = q.float().reshape(q.shape[0], KVH, -1, D).pow(2).mean((0, 2))      # [KVH, D]
-    k2 = keys.float().pow(2).mean(0)                                         # [KVH, D]
-    ratio = (q2 / k2.clamp_min(1e-20)).clamp(1e-8, 1e8)
-    s = ratio.pow(0.25)
-    s = s / s.log().mean(-1, keepdim=True).exp()
-    return s.bfloat16().float()
 
 
 class StoredSlots:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from specfork.attention import AttnMeta
 from specfork.errors import SpecforkError
-from specfork.kv_quant import StoredSlots, key_scales, layer_codecs
+from specfork.kv_quant import StoredSlots, layer_codecs
 from specfork.kv_tree import BlockPool
 from specfork.weights import HEAD_FORMAT, QuantLinear, resolve, row_blocks
 
@@ -302,31 +302,23 @@ class Model:
 
     @torch.inference_mode()
     def calibrate_kv(self, ids: list[int]) -> None:
-        """Calibrate the keys of a TurboQuant KV format on one forward of `ids` (a text of no
-        benchmark: `kv_calibration_ids`), taken at full precision: centre them on their
-        per-head mean and scale their channels by `key_scales` of that forward's queries. A
-        no-op for other formats."""
+        """Centre the keys of a TurboQuant KV format on their per-head mean over one forward of
+        `ids` (a text of no benchmark: `kv_calibration_ids`), taken at full precision. A no-op
+        for other formats."""
         if not self.kv_codecs or not self.kv_codecs[0][0].rotated:
             return
         codecs, self.kv_codecs = self.kv_codecs, None
-        T, H, D = len(ids), self.num_heads, self.head_dim
         try:
-            pool = self.make_pool(num_blocks=T)
-            slots = torch.arange(T, device=self.device)
-            pos = torch.arange(T, device=self.device)
-            _, x = self.forward(torch.tensor(ids, device=self.device), pos, pool,
-                                AttnMeta.prefill(self, slots[:0], slots), logits_idx=slice(0, 0),
-                                capture=tuple(range(self.num_layers)))
+            pool = self.make_pool(num_blocks=len(ids))
+            slots = torch.arange(len(ids), device=self.device)
+            self.forward(torch.tensor(ids, device=self.device),
+                         torch.arange(len(ids), device=self.device), pool,
+                         AttnMeta.prefill(self, slots[:0], slots), logits_idx=slice(0, 0))
         finally:
             self.kv_codecs = codecs
-        cos, sin = self.rope(pos)
-        W = x.shape[1] // self.num_layers                                # hidden size
         keys = pool.k[:, 1:, 0].float()               # [layers, tokens - 1, KVH, D] post-RoPE
-        for i, ((kc, _), ly) in enumerate(zip(codecs, self.layers)):
-            h = x[:, i * W:(i + 1) * W]                                 # input of layer i
-            q = apply_rope(ly.qkv(self.rms_norm(h, ly.ln1))[:, :H * D].view(T, H, D), cos, sin)
-            mu = keys[i].mean(0)
-            kc.calibrate(mu, key_scales(q[1:], keys[i] - mu))
+        for (kc, _), mu in zip(codecs, keys.mean(1)):
+            kc.set_center(mu)
 
     def _stack_slots(self, meta) -> tuple | None:
         """The slot lists (idx, offs) when every row of this forward attends through the slot
