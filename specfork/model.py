@@ -324,8 +324,8 @@ class Model:
         """The slot lists (idx, offs) when every row of this forward attends through the slot
         op (decode steps, ROWS trees, batches of only those): its layer loop then runs as one
         compiled op, `kernels/layer_stack.cpp`, which makes the same ATen calls as the loop
-        below (same bits) without the interpreter between them (float pools: coded ones encode
-        in Python). SPECFORK_LAYER_STACK=0: off."""
+        below (same bits) without the interpreter between them. Float pools only: a coded pool
+        takes the loop below, which codes each layer's new rows. SPECFORK_LAYER_STACK=0: off."""
         groups = getattr(meta, "groups", None)
         slots = (groups[0][2] if len(groups) == 1 else None) if groups is not None else meta.slots
         if slots is None or meta.write is None or self.kv_codecs is not None or os.environ.get(
