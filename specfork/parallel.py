@@ -384,12 +384,18 @@ class Driver:
         return self._head
 
     # -- commands ------------------------------------------------------------------------
-    def _send(self, op: str, args=None) -> None:
+    def _send(self, op: str, args=None, local=None):
+        """Send a command, then run rank 0's own part of it, `local()`, under one guard: an
+        interrupt between the two would leave the other ranks inside the command's
+        collectives while rank 0 sends its next command (or "stop") on the control group."""
         if self.failed:
             raise RankFailed(self.failed)
         dropped, self._dropped = self._dropped, []
-        self._guard(lambda: dist.broadcast_object_list([(dropped, op, args)], src=0,
-                                                       group=self._ctl))
+
+        def command():
+            dist.broadcast_object_list([(dropped, op, args)], src=0, group=self._ctl)
+            return None if local is None else local()
+        return self._guard(command)
 
     def _guard(self, fn):
         """fn(), with a broken peer turned into one clear error on every later call too."""
@@ -414,9 +420,9 @@ class Driver:
             raise SpecforkError("a vocabulary-subset head is a draft model's: the "
                                 "tensor-parallel target has none")
         cmd = (tokens, positions, pool.tp_id, meta, logits_idx, capture)
-        self._send("forward", cmd if tokens.device.type == "cpu" else _to(cmd, "cpu"))
-        return self._guard(lambda: self._model.forward(tokens, positions, pool, meta,
-                                                       logits_idx=logits_idx, capture=capture))
+        return self._send("forward", cmd if tokens.device.type == "cpu" else _to(cmd, "cpu"),
+                          lambda: self._model.forward(tokens, positions, pool, meta,
+                                                      logits_idx=logits_idx, capture=capture))
 
     def make_pool(self, num_blocks=None, max_bytes=None, block_size=None):
         """A pool of this rank's KV heads, mirrored on every rank (same block ids)."""
@@ -431,15 +437,14 @@ class Driver:
 
     def rank_bytes(self, pool) -> list[dict]:
         """Per rank, the bytes of its weights and of its copy of `pool` (`rank_bytes`)."""
-        self._send("bytes", pool.tp_id)
         out = [None] * self.world
-        self._guard(lambda: dist.gather_object(rank_bytes(self._model, pool), out, dst=0,
-                                               group=self._ctl))
+        self._send("bytes", pool.tp_id, lambda: dist.gather_object(
+            rank_bytes(self._model, pool), out, dst=0, group=self._ctl))
         return out
 
     def calibrate_kv(self, ids: list[int]) -> None:
-        self._send("calibrate", ids)                     # a no-op on every rank unless TurboQuant
-        self._guard(lambda: self._model.calibrate_kv(ids))
+        self._send("calibrate", ids,                     # a no-op on every rank unless TurboQuant
+                   lambda: self._model.calibrate_kv(ids))
 
     # -- lifetime -------------------------------------------------------------------------
     def _watch(self) -> None:
