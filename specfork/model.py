@@ -30,20 +30,26 @@ class UnsupportedModel(SpecforkError):
 
 class Linear:
     """y = x @ w.T + b over borrowed weights. On CPU (fp32, or bf16) it may also keep `w`
-    pre-packed for oneDNN: the few-row matmuls of decoding (1 row), beams (W rows) and tree
-    verification (tree-size rows) then run near memory bandwidth, 1.6-2.8x faster than
-    F.linear, whose sgemm re-packs the weights on every call (results/linear_cpu.json, from
-    eval/bench_linear.py)."""
-    __slots__ = ("w", "b", "packed", "min_rows", "exact")
+    pre-packed for the few-row matmuls of decoding (1 row), beams (W rows), tree verification
+    (tree-size rows) and batches of requests: float32 weights with a multiple of 32 outputs in
+    specfork's panels where the CPU has AVX-512 (`kernels/panel_linear.cpp`: 1.1-1.4x faster
+    than oneDNN's packed sgemm from 1 to 32 rows here, and row-invariant), otherwise for oneDNN,
+    whose packed matmuls run 1.6-2.8x faster than F.linear, whose sgemm re-packs the weights on
+    every call (results/linear_cpu.json, from eval/bench_linear.py)."""
+    __slots__ = ("w", "b", "packed", "panel", "min_rows", "exact")
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None, pack: bool = False,
                  min_rows: int = 1):
         self.w, self.b = w, b
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) if pack else None
+        self.panel = torch.ops.specfork.panel_pack(w) if pack and panel_fits(w) else None
+        self.packed = (torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+                       if pack and self.panel is None else None)
         self.min_rows = min_rows        # fewer rows go to F.linear (`packed_from_rows`)
         self.exact = False              # row-invariant: `Model.rows_exact` (see `_blocks`)
 
     def _packed_for(self, rows: int, exact: bool, bulk: bool) -> bool:
+        if self.panel is not None:      # any row count computes a row's bits the same way
+            return exact or rows <= (MAX_PROMPT_ROWS if bulk else MAX_PACKED_ROWS)
         return self.packed is not None and self.min_rows <= rows and (
             exact or rows <= (MAX_PROMPT_ROWS if bulk else MAX_PACKED_ROWS))
 
@@ -52,6 +58,8 @@ class Linear:
         as a one-row step would: one GEMM call for all, row-invariant or not."""
         exact = self.exact and not bulk
         if self._packed_for(x.shape[0], exact, bulk):
+            if self.panel is not None:
+                return torch.ops.specfork.panel_linear(x, self.panel, self.b, None)
             if exact:
                 return row_blocks(lambda a: torch.ops.mkldnn._linear_pointwise(
                     a, self.packed, self.b, "none", [], ""), x)
@@ -61,13 +69,15 @@ class Linear:
     @property
     def packed_bytes(self) -> int:
         """Bytes of the pre-packed copy (0 when not packed)."""
-        p = self.packed
+        p = self.packed if self.panel is None else self.panel
         return 0 if p is None else p.numel() * p.element_size()
 
     def add_to(self, x: torch.Tensor, a: torch.Tensor, bulk: bool = False) -> torch.Tensor:
         """x + self(a): the residual add folded into the matmul."""
         exact = self.exact and not bulk
         if self._packed_for(a.shape[0], exact, bulk):
+            if self.panel is not None:
+                return torch.ops.specfork.panel_linear(a, self.panel, self.b, x)
             if exact:
                 return row_blocks(lambda ai, xi: torch.ops.mkldnn._linear_pointwise.binary(
                     ai, xi, self.packed, self.b, "add"), a, x)
@@ -75,6 +85,16 @@ class Linear:
         if self.b is not None:
             return x + F.linear(a, self.w, self.b)
         return torch.addmm(x, a, self.w.t())
+
+
+def panel_fits(w: torch.Tensor) -> bool:
+    """Whether `w` can run as panels here: float32 on a CPU whose build of the compiled ops
+    has the AVX-512 kernel, outputs a multiple of 32 (SPECFORK_PANELS=0: never)."""
+    if (w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2
+            or w.shape[0] % 32 or os.environ.get("SPECFORK_PANELS", "1") == "0"):
+        return False
+    from specfork.kernels import slot_attention
+    return slot_attention.available() and torch.ops.specfork.panel_native()
 
 
 PACK_ROWS = 8              # oneDNN's layout hint: the row count the packing is tuned for
@@ -176,7 +196,7 @@ def rope_tables(rotary, ref: torch.Tensor, positions: torch.Tensor):
 
 # How `layer_stack.cpp` runs each matmul: the call Linear / QuantLinear would make
 (LINEAR, PACKED, PACKED_BLOCKS, BF16_LINEAR, BF16_PACKED, INT8, INT4, LOWBIT4, LOWBIT8,
- LOWBIT16) = range(10)
+ LOWBIT16, PANEL) = range(11)
 MATMULS = ("qkv", "o", "gate_up", "down")
 
 
@@ -190,6 +210,8 @@ def _stack_kind(lin, rows: int) -> tuple[int, torch.Tensor, torch.Tensor | None]
                     else (BF16_PACKED, lin.packed, None))
         return (INT8 if lin.fmt == "int8" else INT4), lin.w, lin.s
     if lin._packed_for(rows, lin.exact, False):
+        if lin.panel is not None:
+            return PANEL, lin.panel, None
         return (PACKED_BLOCKS if lin.exact else PACKED), lin.packed, None
     return LINEAR, lin.w, None
 
@@ -288,8 +310,10 @@ class Model:
         self.packed_min_rows = 1
         if pack:
             ly = self.layers[0]
-            self.packed_min_rows = 1 if self.rows_exact else packed_from_rows(
-                [ly.qkv, ly.o, ly.gate_up, ly.down, self.lm_head])
+            one = [x for x in (ly.qkv, ly.o, ly.gate_up, ly.down, self.lm_head)
+                   if x.packed is not None]                    # oneDNN's (panels need none)
+            if one and not self.rows_exact:
+                self.packed_min_rows = packed_from_rows(one)
             for x in self.linears():
                 x.min_rows = self.packed_min_rows
                 x.exact = self.rows_exact

@@ -6,7 +6,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen
 from specfork.decoder import SpecDecoder
 from specfork.kv_tree import KVTree
 from specfork.attention import AttnMeta
-from specfork.model import Model
+from specfork.model import Model, panel_fits
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -94,8 +94,9 @@ def test_packed_path_is_chosen_by_rows_measured_on_this_machine(monkeypatch):
     import torch.nn.functional as F
     from specfork import model as mm
     torch.manual_seed(0)
-    w, b = torch.randn(96, 64), torch.randn(96)
+    w, b = torch.randn(100, 64), torch.randn(100)          # not 32-output panels: oneDNN's
     lin = mm.Linear(w, b, pack=True, min_rows=4)
+    assert lin.panel is None
     for rows in (1, 3, 4, 8):
         x = torch.randn(rows, 64)
         want = (F.linear(x, w, b) if rows < 4 else
@@ -103,6 +104,7 @@ def test_packed_path_is_chosen_by_rows_measured_on_this_machine(monkeypatch):
         assert torch.equal(lin(x), want), rows                  # bitwise: that very path ran
         assert torch.allclose(lin(x), F.linear(x, w, b), atol=1e-5)
     monkeypatch.setattr(mm, "_PACKED_FROM", {})
+    monkeypatch.setenv("SPECFORK_PANELS", "0")
     m = Model(_hf(LlamaConfig(**TINY)), pack=True)
     assert m.packed_min_rows in (1, 2, 4, 8, mm.MAX_PACKED_ROWS + 1)
     assert {x.min_rows for x in m.linears()} == {m.packed_min_rows}
@@ -110,3 +112,29 @@ def test_packed_path_is_chosen_by_rows_measured_on_this_machine(monkeypatch):
     Model(_hf(LlamaConfig(**TINY)), pack=True)                  # same shapes: not timed again
     assert len(mm._PACKED_FROM) == 1
     assert Model(_hf(LlamaConfig(**TINY)), pack=False).packed_min_rows == 1
+
+
+@pytest.mark.skipif(not panel_fits(torch.zeros(32, 1)), reason="no AVX-512 build of the ops here")
+def test_panel_matmul_is_row_invariant_and_runs_the_layer_loop_too(monkeypatch):
+    """float32 weights with a multiple of 32 outputs run as panels (kernels/panel_linear.cpp):
+    within float32 rounding of F.linear, bias then residual added, and a row's bits the same
+    whatever the row count or its place in the call; the compiled layer loop (PANEL kind) gives
+    the Python loop's bits."""
+    import torch.nn.functional as F
+    from specfork import model as mm
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 80), torch.randn(96)
+    lin = mm.Linear(w, b, pack=True)
+    assert lin.panel is not None and lin.packed is None and lin.packed_bytes == w.nbytes
+    x, res = torch.randn(21, 80), torch.randn(21, 96)
+    y = lin(x)
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    assert torch.equal(lin.add_to(res, x), y + res)
+    for rows in (1, 3, 8, 9, 17):
+        assert torch.equal(lin(x[4:4 + rows]), y[4:4 + rows]), rows
+    m = Model(_hf(LlamaConfig(**TINY)), pack=True)
+    assert all(x.panel is not None for x in m.linears())
+    ids = torch.tensor([3, 17, 29, 5, 8, 40, 2, 11])
+    want = _prefill_then_decode(m, ids, 5)                  # decode steps: the compiled loop
+    monkeypatch.setenv("SPECFORK_LAYER_STACK", "0")
+    assert torch.equal(_prefill_then_decode(m, ids, 5), want)

@@ -15,6 +15,7 @@
 
 #include "layer_ops.h"
 #include "lowbit_linear.h"
+#include "panel_linear.h"
 #include "slot_attention.h"
 
 namespace {
@@ -32,6 +33,7 @@ enum Kind : int64_t {
   LOWBIT4 = 7,        // lowbit_linear.cpp, 4-bit
   LOWBIT8 = 8,        // lowbit_linear.cpp, 8-bit
   LOWBIT16 = 9,       // lowbit_linear.cpp, bf16
+  PANEL = 10,         // panel_linear.cpp, float32 (row-invariant bits)
 };
 constexpr int64_t EXACT_ROWS = 8;   // specfork/weights.py
 constexpr int64_t GROUP = 32;
@@ -97,6 +99,7 @@ at::Tensor apply(const Lin& l, const at::Tensor& x) {
       return row_blocks([&](const at::Tensor& a, const at::Tensor&) {
         return pointwise(a, l.w, l.b); }, x);
     case LOWBIT4: case LOWBIT8: case LOWBIT16: return lowbit(l, x, std::nullopt);
+    case PANEL: return panel_linear(x, l.w, l.b, std::nullopt);
     default: break;
   }
   const auto xb = x.to(at::kBFloat16);
@@ -124,6 +127,7 @@ at::Tensor add_to(const Lin& l, const at::Tensor& x, const at::Tensor& a) {
       return row_blocks([&](const at::Tensor& ai, const at::Tensor& xi) {
         return pointwise_add(ai, xi, l.w, l.b); }, a, x);
     case LOWBIT4: case LOWBIT8: case LOWBIT16: return lowbit(l, a, x);
+    case PANEL: return panel_linear(a, l.w, l.b, x);
     default: return apply(l, a).add_(x);
   }
 }

@@ -27,13 +27,14 @@ import torch
 
 SRC = Path(__file__).with_suffix(".cpp")
 # one library: the slot op, its reading and writing of TurboQuant codes (code_attention.cpp,
-# code_encode.cpp), the low-bit matmuls (lowbit_linear.cpp), the fused small ops
-# (layer_ops.cpp), the decoder-layer loop that calls them (layer_stack.cpp) and their headers
+# code_encode.cpp), the low-bit and float32 panel matmuls (lowbit_linear.cpp, panel_linear.cpp),
+# the fused small ops (layer_ops.cpp), the decoder-layer loop that calls them (layer_stack.cpp)
+# and their headers
 SOURCES = [SRC] + [SRC.with_name(f) for f in ("code_attention.cpp", "code_encode.cpp",
-                                               "lowbit_linear.cpp", "layer_ops.cpp",
-                                               "layer_stack.cpp")]
-HEADERS = [SRC.with_suffix(".h")] + [SRC.with_name(f) for f in ("lowbit_linear.h", "layer_ops.h",
-                                                                  "vec_math.h")]
+                                               "lowbit_linear.cpp", "panel_linear.cpp",
+                                               "layer_ops.cpp", "layer_stack.cpp")]
+HEADERS = [SRC.with_suffix(".h")] + [SRC.with_name(f) for f in ("lowbit_linear.h", "panel_linear.h",
+                                                                  "layer_ops.h", "vec_math.h")]
 # -fopenmp: at::parallel_for splits work over torch's threads only where OpenMP is compiled in;
 # -ffp-contract=off: only the FMAs the code asks for, so a row's bits cannot depend on how the
 # compiler inlined the call it came through (tile shapes, Python or layer loop)
