@@ -32,8 +32,8 @@ class Linear:
     """y = x @ w.T + b over borrowed weights. On CPU (fp32, or bf16) it may also keep `w`
     pre-packed for the few-row matmuls of decoding (1 row), beams (W rows), tree verification
     (tree-size rows) and batches of requests: float32 weights with a multiple of 32 outputs in
-    specfork's panels where the CPU has AVX-512 (`kernels/panel_linear.cpp`: 1.1-1.4x faster
-    than oneDNN's packed sgemm from 1 to 32 rows here, and row-invariant), otherwise for oneDNN,
+    specfork's panels where the CPU has AVX-512 (`kernels/panel_linear.cpp`: up to 1.5x
+    oneDNN's packed sgemm from 8 to 32 rows here, and row-invariant), otherwise for oneDNN,
     whose packed matmuls run 1.6-2.8x faster than F.linear, whose sgemm re-packs the weights on
     every call (results/linear_cpu.json, from eval/bench_linear.py)."""
     __slots__ = ("w", "b", "packed", "panel", "min_rows", "exact")
@@ -49,7 +49,7 @@ class Linear:
 
     def _packed_for(self, rows: int, exact: bool, bulk: bool) -> bool:
         if self.panel is not None:      # any row count computes a row's bits the same way
-            return exact or rows <= (MAX_PROMPT_ROWS if bulk else MAX_PACKED_ROWS)
+            return exact or rows <= (MAX_PROMPT_ROWS if bulk else MAX_PANEL_ROWS)
         return self.packed is not None and self.min_rows <= rows and (
             exact or rows <= (MAX_PROMPT_ROWS if bulk else MAX_PACKED_ROWS))
 
@@ -104,6 +104,7 @@ PACK_ROWS = 8              # oneDNN's layout hint: the row count the packing is 
 # alone (`bulk`) beyond MAX_PROMPT_ROWS keep HF's GEMM, so a prompt's logits stay HF's within
 # 1e-4. Under `exact`, any row count runs packed, in EXACT_ROWS-row calls.
 MAX_PACKED_ROWS = 256
+MAX_PANEL_ROWS = 64        # panels beyond: F.linear (oneDNN's blocking wins from 128 rows)
 MAX_PROMPT_ROWS = 32
 _PACKED_FROM: dict = {}    # (shapes, dtype, threads) -> packed_from_rows' answer, per process
 

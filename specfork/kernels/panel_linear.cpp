@@ -1,14 +1,18 @@
 // float32 matmuls for few rows (decode steps, verify trees, a batch of requests): y = x @ w.T
 // (+ bias) (+ residual), with w held in panels of 32 outputs, [N/32, K, 32].
 //
-// Why: at 1 to 64 rows the step streams every weight from memory once and multiplies it by
-// each row. oneDNN's packed sgemm and F.linear there run neither at the read bandwidth nor at
-// the multiply-add peak (16 rows, Sapphire Rapids, 2 threads: 11 GB/s and 86 GFLOPS), because
-// they fetch a block of weights and then compute on it. Here a panel's 32 outputs are 2 vectors
-// per input k, every row of a tile of up to 8 multiplies them by its x[r, k] broadcast from
-// memory (16 independent accumulators keep both FMA units busy), and while a panel's row
-// tiles run, the next panel's cache lines are prefetched, spread over those tiles, so memory
-// and arithmetic overlap.
+// Why: at 1 to 64 rows a step streams every weight from memory once and multiplies it by each
+// row. oneDNN's packed sgemm and F.linear there reach neither the read bandwidth nor the
+// multiply-add peak (16 rows, Sapphire Rapids, 2 threads: 11 GB/s and 86 GFLOPS): they fetch
+// weights, then compute on them. Here a panel's 32 outputs are 2 vectors per input k; each row
+// of a tile of up to 8 multiplies them by its x[r, k] broadcast (16 independent accumulators
+// keep both FMA units busy); a panel is read in blocks of KB inputs that stay in L1 while every
+// row tile passes over them; and the next panel's cache lines are prefetched, spread evenly over
+// the current panel's (block, tile) passes, so memory and arithmetic overlap. The embedded
+// target's layer matmuls, scratch timing interleaved with oneDNN's: 1 row 1.1x F.linear (the
+// faster one there), 8 rows 1.5x oneDNN, 16 rows 1.5x, 32 rows 1.5x, 64 rows 1.05x; at 128 rows
+// and more oneDNN's blocking wins, so `Linear` stops at 64 (MAX_PANEL_ROWS) unless rows must be
+// exact.
 //
 // Each output is one FMA chain over k = 0..K-1 in order, whatever the row count, the row's
 // tile or the thread split (threads split the panels): a verify tree's row gets the bits a
@@ -32,24 +36,30 @@ namespace {
 
 constexpr int64_t PANEL = 32;      // outputs per panel: 2 vectors
 constexpr int64_t MAX_TILE = 8;    // rows per tile: 2 x 8 accumulators
+constexpr int64_t KB = 128;        // inputs per block: a panel's block is 16 KB, in L1
 
 #ifdef SPECFORK_PANEL
 
-// Rows t0..t0+NT of panel p: the `pass`-th of `passes` row tiles over it also prefetches every
-// passes-th cache line of panel `next`.
+// Rows t0..t0+NT of one panel over inputs k0..k1: each output's FMA chain starts at 0 (k0 = 0)
+// or goes on from the partial sum stored in y, and ends with the bias and residual (k1 = K).
+// Meanwhile it prefetches lines pf0..pf1 of panel `next` (a panel's input k is 128 bytes,
+// lines 2k and 2k + 1), spread over its inputs.
 template <int NT>
-void panel_tile(const float* x, int64_t t0, int64_t K, const float* panel, const float* next,
-                int64_t pass, int64_t passes, const float* bias, const float* res, float* y,
-                int64_t N, int64_t n) {
+void panel_tile(const float* x, int64_t t0, int64_t K, int64_t k0, int64_t k1,
+                const float* panel, const float* next, int64_t pf0, int64_t pf1,
+                const float* bias, const float* res, float* y, int64_t N, int64_t n) {
   __m512 lo[NT], hi[NT];
-  for (int r = 0; r < NT; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  for (int r = 0; r < NT; ++r) {
+    float* yr = y + (t0 + r) * N + n;
+    lo[r] = k0 ? _mm512_loadu_ps(yr) : _mm512_setzero_ps();
+    hi[r] = k0 ? _mm512_loadu_ps(yr + 16) : _mm512_setzero_ps();
+  }
   const float* xr = x + t0 * K;
-  // a panel's input k is 128 bytes, lines 2k and 2k + 1; this pass takes lines pass, pass +
-  // passes, ...
-  int64_t line = next ? pass : 2 * K;
-  for (int64_t k = 0; k < K; ++k) {
-    for (; line < 2 * k + 2; line += passes)
-      _mm_prefetch((const char*)(next + line * 16), _MM_HINT_T1);
+  int64_t line = pf0, due = 0;                       // due / (k1 - k0): lines owed so far
+  for (int64_t k = k0; k < k1; ++k) {
+    if (next)
+      for (due += pf1 - pf0; due >= k1 - k0; due -= k1 - k0, ++line)
+        _mm_prefetch((const char*)(next + line * 16), _MM_HINT_T1);
     const __m512 wl = _mm512_loadu_ps(panel + k * PANEL);
     const __m512 wh = _mm512_loadu_ps(panel + k * PANEL + 16);
     for (int r = 0; r < NT; ++r) {
@@ -61,11 +71,11 @@ void panel_tile(const float* x, int64_t t0, int64_t K, const float* panel, const
   for (int r = 0; r < NT; ++r) {
     float* yr = y + (t0 + r) * N + n;
     __m512 a = lo[r], b = hi[r];
-    if (bias) {                                      // QuantLinear's order: (y + b) + x
+    if (k1 == K && bias) {                           // QuantLinear's order: (y + b) + x
       a = _mm512_add_ps(a, _mm512_loadu_ps(bias + n));
       b = _mm512_add_ps(b, _mm512_loadu_ps(bias + n + 16));
     }
-    if (res) {
+    if (k1 == K && res) {
       a = _mm512_add_ps(a, _mm512_loadu_ps(res + (t0 + r) * N + n));
       b = _mm512_add_ps(b, _mm512_loadu_ps(res + (t0 + r) * N + n + 16));
     }
@@ -74,21 +84,29 @@ void panel_tile(const float* x, int64_t t0, int64_t K, const float* panel, const
   }
 }
 
+// Panels p0..p1: per block of KB inputs (a panel's block stays in L1 while every row tile
+// reads it), per row tile; the next panel is prefetched over the current one's tiles.
 void panels(const float* x, int64_t T, int64_t K, const float* w, const float* bias,
             const float* res, int64_t p0, int64_t p1, float* y, int64_t N) {
-  const int64_t passes = std::max<int64_t>(1, (T + MAX_TILE - 1) / MAX_TILE);
+  const int64_t tiles = (T + MAX_TILE - 1) / MAX_TILE, blocks = (K + KB - 1) / KB;
+  const int64_t units = tiles * blocks;
   for (int64_t p = p0; p < p1; ++p) {
     const float* panel = w + p * K * PANEL;
     const float* next = p + 1 < p1 ? panel + K * PANEL : nullptr;
-    for (int64_t t0 = 0, pass = 0; t0 < T; ++pass) {
-      const int64_t nt = std::min(MAX_TILE, T - t0);
-      switch (nt) {
-#define TILE(R) case R: panel_tile<R>(x, t0, K, panel, next, pass, passes, bias, res, y, N, \
+    int64_t u = 0;
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+      const int64_t k1 = std::min(K, k0 + KB);
+      for (int64_t t0 = 0; t0 < T; ++u) {
+        const int64_t nt = std::min(MAX_TILE, T - t0);
+        const int64_t pf0 = 2 * K * u / units, pf1 = 2 * K * (u + 1) / units;
+        switch (nt) {
+#define TILE(R) case R: panel_tile<R>(x, t0, K, k0, k1, panel, next, pf0, pf1, bias, res, y, N, \
                                       p * PANEL); break;
-        TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8)
+          TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8)
 #undef TILE
+        }
+        t0 += nt;
       }
-      t0 += nt;
     }
   }
 }
