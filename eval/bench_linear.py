@@ -1,7 +1,8 @@
 """Why `specfork.model.Linear` packs weights: one forward's matmuls (every layer's q|k|v, o,
 gate|up, down, then the lm_head) at the embedded target's shapes, for 1..32 rows (decode is 1
 row, beam search W rows, tree verification one per tree token): F.linear against weights
-pre-packed for oneDNN (what specfork uses) and for MKL's packed sgemm.
+pre-packed for oneDNN, for MKL's packed sgemm, and, where the compiled ops have the AVX-512
+kernel, in specfork's float32 panels (`kernels/panel_linear.cpp`, what specfork uses there).
 
     python eval/bench_linear.py --threads 2 --json results/linear_cpu.json
 """
@@ -47,6 +48,8 @@ def main(argv=None) -> None:
     ws = [torch.randn(o, i, generator=gen) * 0.02 for o, i in shapes(cfg)]
     from specfork.model import PACK_ROWS
     dnn = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in ws]
+    from specfork.model import panel_fits
+    pan = [torch.ops.specfork.panel_pack(w) for w in ws] if all(map(panel_fits, ws)) else None
     out = {"command": command("bench_linear", argv), "machine": machine(), "target": a.target,
            "threads": torch.get_num_threads(), "reps": a.reps,
            "timing": "median ms of one forward's matmuls, methods interleaved", "rows": {}}
@@ -66,7 +69,13 @@ def main(argv=None) -> None:
             for x, w, pw in zip(xs, ws, mkl):
                 torch.ops.mkl._mkl_linear(x, pw, w, None, m)
 
+        def panels():
+            for x, w in zip(xs, pan):
+                torch.ops.specfork.panel_linear(x, w, None, None)
+
         fns = {"F.linear": plain, "onednn_packed": onednn, "mkl_packed": mkl_packed}
+        if pan is not None:
+            fns["panels"] = panels
         err = max((torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
                    - F.linear(x, w0)).abs().max().item() for x, w, w0 in zip(xs, dnn, ws))
         t = {k: [] for k in fns}
@@ -79,6 +88,9 @@ def main(argv=None) -> None:
         out["rows"][m] = {**{f"{k}_ms": round(v, 2) for k, v in med.items()},
                           "onednn_speedup": round(med["F.linear"] / med["onednn_packed"], 3),
                           "onednn_max_abs_diff": err}
+        if pan is not None:
+            out["rows"][m]["panels_vs_best_torch"] = round(
+                min(med["F.linear"], med["onednn_packed"]) / med["panels"], 3)
         print(f"rows {m:3d}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in med.items()),
               flush=True)
     if a.json:

@@ -32,8 +32,9 @@ class Linear:
     """y = x @ w.T + b over borrowed weights. On CPU (fp32, or bf16) it may also keep `w`
     pre-packed for the few-row matmuls of decoding (1 row), beams (W rows), tree verification
     (tree-size rows) and batches of requests: float32 weights with a multiple of 32 outputs in
-    specfork's panels where the CPU has AVX-512 (`kernels/panel_linear.cpp`: up to 1.5x
-    oneDNN's packed sgemm from 8 to 32 rows here, and row-invariant), otherwise for oneDNN,
+    specfork's panels where the CPU has AVX-512 (`kernels/panel_linear.cpp`: 1.2-1.5x the
+    faster of oneDNN and F.linear from 8 to 32 rows here, results/linear_panels.json, and
+    row-invariant), otherwise for oneDNN,
     whose packed matmuls run 1.6-2.8x faster than F.linear, whose sgemm re-packs the weights on
     every call (results/linear_cpu.json, from eval/bench_linear.py)."""
     __slots__ = ("w", "b", "packed", "panel", "min_rows", "exact")
@@ -102,7 +103,7 @@ PACK_ROWS = 8              # oneDNN's layout hint: the row count the packing is 
 # faster than F.linear from 16 to 256 rows, Xeon, 2 threads: `python eval/bench_linear.py
 # --threads 2 --rows 1,16,32,64,128,256 --json results/linear_cpu_batch.json`); prompt rows
 # alone (`bulk`) beyond MAX_PROMPT_ROWS keep HF's GEMM, so a prompt's logits stay HF's within
-# 1e-4. Under `exact`, any row count runs packed, in EXACT_ROWS-row calls.
+# 1e-4. Under `exact`, any row count runs packed: oneDNN's in EXACT_ROWS-row calls, panels in one.
 MAX_PACKED_ROWS = 256
 MAX_PANEL_ROWS = 64        # panels beyond: F.linear (oneDNN's blocking wins from 128 rows)
 MAX_PROMPT_ROWS = 32
@@ -227,8 +228,9 @@ class Model:
 
     def __init__(self, hf, pack: bool | None = None, weights: str = "float32",
                  kv_cache: str = "auto"):
-        """`pack`: keep oneDNN-packed copies of the weights for few-row matmuls (None: on CPU
-        in fp32, or bf16 where the CPU has bf16 GEMMs, when the copies take at most 4 GiB).
+        """`pack`: keep packed copies of the weights for few-row matmuls, specfork's panels or
+        oneDNN's (`Linear`; None: on CPU in fp32, or bf16 where the CPU has bf16 GEMMs, when
+        the copies take at most 4 GiB).
         `weights`: the matmuls' weight format (`specfork/weights.py`; float32: as loaded).
         `kv_cache`: the format of every pool `make_pool` makes (`specfork/kv_quant.py`; auto:
         the model's dtype)."""
@@ -270,9 +272,9 @@ class Model:
         # as a decode step at its position would compute it, or greedy speculation drifts from
         # plain decoding at near-ties. Its attention then reads row by row
         # (specfork/attention.py), and every matmul with a decode or tree row in it (a batch of
-        # requests too) gives a row the same bits in any call: specfork's low-bit kernel by
-        # construction, torch's packed bf16 one in calls of exactly EXACT_ROWS rows
-        # (`weights.row_blocks`); prompt-only forwards (`bulk`) need not.
+        # requests too) gives a row the same bits in any call: specfork's low-bit kernel and
+        # float32 panels by construction, torch's packed bf16 one in calls of exactly EXACT_ROWS
+        # rows (`weights.row_blocks`); prompt-only forwards (`bulk`) need not.
         self.rows_exact = low or self.kv_codecs is not None
         if low:
             pack = False                           # the format's own copy replaces the packing

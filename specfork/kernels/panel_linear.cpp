@@ -8,11 +8,11 @@
 // of a tile of up to 8 multiplies them by its x[r, k] broadcast (16 independent accumulators
 // keep both FMA units busy); a panel is read in blocks of KB inputs that stay in L1 while every
 // row tile passes over them; and the next panel's cache lines are prefetched, spread evenly over
-// the current panel's (block, tile) passes, so memory and arithmetic overlap. The embedded
-// target's layer matmuls, scratch timing interleaved with oneDNN's: 1 row 1.1x F.linear (the
-// faster one there), 8 rows 1.5x oneDNN, 16 rows 1.5x, 32 rows 1.5x, 64 rows 1.05x; at 128 rows
-// and more oneDNN's blocking wins, so `Linear` stops at 64 (MAX_PANEL_ROWS) unless rows must be
-// exact.
+// the current panel's (block, tile) passes, so memory and arithmetic overlap. One forward's
+// matmuls of the embedded target against the faster of F.linear and oneDNN's packed sgemm
+// (results/linear_panels.json, eval/bench_linear.py): 1.13x at 1 row, 1.43x at 8, 1.46x at 16,
+// 1.21x at 32, 1.01x at 64, 0.81x at 128, so `Linear` stops at 64 (MAX_PANEL_ROWS) unless rows
+// must be exact.
 //
 // Each output is one FMA chain over k = 0..K-1 in order, whatever the row count, the row's
 // tile or the thread split (threads split the panels): a verify tree's row gets the bits a
