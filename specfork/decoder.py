@@ -82,7 +82,8 @@ class SpecDecoder:
         """`tree_topk`, `tree_depth`, `draft_tokens`: the EAGLE draft tree's shape (None: the
         tuned defaults). `adaptive` (on by default here): see `SpecDecoder`. `weights`: the
         target's weight format (`specfork/weights.py`: auto, float32, bfloat16, int8, int4;
-        auto is int4 where it holds the weights exactly, as for the embedded target).
+        auto is int4 where it holds the weights exactly, as for the embedded target, with 8-bit
+        activations as llama.cpp).
         `kv_cache`: the target's KV format (`specfork/kv_quant.py`: auto, float32, bfloat16,
         float16, turbo4, turbo3.5, turbo3, turbo2.5). `tensor_parallel`: shard the target over
         that many ranks (`specfork/parallel.py`; drafters stay on this process, rank 0)."""

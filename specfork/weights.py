@@ -7,14 +7,17 @@ a CPU). A decode step reads the weights once, so bytes per weight is what sets i
 - int8: 1 byte + a scale per group of 32 inputs: GGUF's Q8_0 blocks (w = q * d).
 - int4: 0.5 byte + a scale and offset per group of 32 inputs: GGUF's Q4_1 blocks (w = q * d + m).
 
-Two kernels. Where the CPU has AVX-512, specfork's own (`kernels/lowbit_linear.cpp`): float32
-activations, each weight dequantized to float32 with d and m float16, as GGUF stores them, so
-weights that came from Q8_0 / Q4_1 blocks are found again exactly (the embedded target's Q4_1
-layers and its Q8_0 output layer: under int4 it multiplies by the file's own weights);
-residual add and bias fused; bf16 weights too (decode and tree rows). Elsewhere torch's
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`): bf16 activations, int8 per output
-channel (s = absmax / 127), and for int4 w = (q - 8) * s + z with s = d and z = m + 8 d rounded
-to bf16.
+Two kernels. Where the CPU has AVX-512 with VNNI, specfork's own (`kernels/lowbit_linear.cpp`):
+weights in panels of 16 outputs holding d and m float16, as GGUF stores them, so weights that
+came from Q8_0 / Q4_1 blocks are found again exactly (the embedded target's Q4_1 layers and its
+Q8_0 output layer: under int4 it multiplies by the file's own weights); activations quantized per
+row to 8 bits per group of 32 as llama.cpp does (`quantize_activations`: +0.4% perplexity on the
+embedded target under int4, 8.392 against float32's 8.357 on bench_kv_quant's six held-out
+texts), which lets integer dot products (vpdpbusd) replace dequantizing every weight; residual
+add and bias fused; bf16 weights too (float32 activations; decode and tree rows). Elsewhere
+torch's (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`): bf16 activations, int8 per
+output channel (s = absmax / 127), and for int4 w = (q - 8) * s + z with s = d and z = m + 8 d
+rounded to bf16.
 
 Scales (and offsets) are rounded to their stored precision before the weights are quantized
 against them, so the kernel dequantizes exactly the values the rounding chose.
@@ -30,6 +33,7 @@ from specfork.errors import SpecforkError
 
 FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
 GROUP = 32                     # int4: inputs per scale/offset group (GGUF Q4_0/Q4_1 blocks)
+LANES = 16                     # outputs per panel of specfork's int4/int8 kernel
 # The output layer under each format: int4 keeps it at int8, as llama.cpp's 4-bit files do
 # (the embedded GGUF stores its tied embeddings/output as Q8_0 beside Q4_1 layers): one
 # vocabulary-wide matmul decides every token, and 4 bits there cost most of the agreement.
@@ -40,7 +44,8 @@ EXACT_ROWS = 8      # rows per call where a row's product must not depend on the
 
 
 def native() -> bool:
-    """Whether specfork's low-bit kernels run here (built with AVX-512; SPECFORK_LOWBIT=0 off)."""
+    """Whether specfork's low-bit kernels run here (built with AVX-512 and VNNI; SPECFORK_LOWBIT=0:
+    off)."""
     if not _NATIVE:
         ok = False
         if os.environ.get("SPECFORK_LOWBIT", "1") != "0":
@@ -85,13 +90,13 @@ class QuantLinear:
         self.s = self.packed = None
         self.bits = 0                      # 4, 8 or 16: specfork's kernel runs this matmul
         w = w.detach().float()
-        if fmt in ("int8", "int4") and w.shape[1] % GROUP == 0 and native():
+        if (fmt in ("int8", "int4") and w.shape[1] % GROUP == 0 and w.shape[0] % LANES == 0
+                and native()):
             self.bits = 8 if fmt == "int8" else 4
             if fmt == "int8":          # blocks of 32 within a row: a shard's blocks are its own
-                self.w, self.s = quantize_q8(w)
+                self.w, self.s = pack_q8(*quantize_q8(w))
             else:
-                q, self.s = quantize_q4(w)
-                self.w = pack_q4(q)
+                self.w, self.s = pack_q4(*quantize_q4(w))
             return
         if fmt == "bfloat16":
             self.w = w.bfloat16()
@@ -198,19 +203,48 @@ def quantize_q8(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torc
     return q.view(N, K).to(torch.int8), d.contiguous()
 
 
-def pack_q4(q: torch.Tensor, group: int = GROUP) -> torch.Tensor:
-    """Codes `[N, K]` (0..15) -> `[N, K / 2]` bytes as `lowbit_linear.cpp` reads them: per group
-    of 32, byte j holds input j in its low nibble and input 16 + j in its high one."""
+def pack_q4(q: torch.Tensor, sz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_1 codes `[N, K]` (0..15) and (d, m) `[N, K / 32, 2]` -> the panels
+    `lowbit_linear.cpp` reads, in tensors of the same shapes as before packing (N a multiple of
+    16): codes `[N, K / 2]` bytes ordered [N / 16, K / 32, chunk c 0..3, output j 0..15, b 0..3],
+    byte (c, j, b) holding output j's input 4c + b of the group in its low nibble and 16 + 4c + b
+    in its high one; scales `[N, K / 32, 2]` ordered [N / 16, K / 32, (d, m), j]."""
     N, K = q.shape
-    q = q.view(N, K // group, 2, group // 2).to(torch.uint8)
-    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
+    P, G = N // LANES, K // GROUP
+    c = q.view(P, LANES, G, 2, 4, 4).to(torch.uint8)         # [p, j, g, half, c, b]
+    b = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [p, g, c, j, b]
+    return (b.reshape(N, K // 2).contiguous(),
+            sz.view(P, LANES, G, 2).permute(0, 2, 3, 1).reshape(N, G, 2).contiguous())
 
 
-def unpack_q4(packed: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+def unpack_q4(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`pack_q4`'s inverse."""
-    N = packed.shape[0]
-    b = packed.view(N, -1, group // 2)
-    return torch.stack((b & 15, b >> 4), dim=2).reshape(N, -1)
+    N, G = s.shape[0], s.shape[1]
+    P = N // LANES
+    b = w.view(P, G, 4, LANES, 4)                             # [p, g, c, j, b]
+    c = torch.stack((b & 15, b >> 4), dim=2)                  # [p, g, half, c, j, b]
+    return (c.permute(0, 4, 1, 2, 3, 5).reshape(N, G * GROUP).contiguous(),
+            s.view(P, G, 2, LANES).permute(0, 3, 1, 2).reshape(N, G, 2).contiguous())
+
+
+def pack_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 codes `[N, K]` (int8) and d `[N, K / 32]` -> `lowbit_linear.cpp`'s panels in tensors
+    of the same shapes: q + 128 as uint8 ordered [N / 16, K / 32, chunk c 0..7, j, b 0..3]
+    (output j's input 4c + b of the group), d ordered [N / 16, K / 32, j]."""
+    N, K = q.shape
+    P, G = N // LANES, K // GROUP
+    u = (q.to(torch.int16) + 128).to(torch.uint8).view(P, LANES, G, 8, 4)
+    return (u.permute(0, 2, 3, 1, 4).reshape(N, K).contiguous(),
+            d.view(P, LANES, G).permute(0, 2, 1).reshape(N, G).contiguous())
+
+
+def unpack_q8(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack_q8`'s inverse."""
+    N, G = s.shape
+    P = N // LANES
+    u = w.view(P, G, 8, LANES, 4).permute(0, 3, 1, 2, 4).reshape(N, G * GROUP)
+    return ((u.to(torch.int16) - 128).to(torch.int8),
+            s.view(P, G, LANES).permute(0, 2, 1).reshape(N, G).contiguous())
 
 
 def dequantize_q4(q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
@@ -225,16 +259,27 @@ def dequantize_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return (q.float().view(q.shape[0], -1, GROUP) * d.float()[..., None]).flatten(1)
 
 
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """Rows `[T, K]` -> the float32 values specfork's int4/int8 kernel multiplies the weights by:
+    per group of 32, codes round(x * (127 / max|x|)) times max|x| / 127 (llama.cpp's Q8
+    activations; tests and error reports)."""
+    g = x.float().view(x.shape[0], -1, GROUP)
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.round(g * inv).clamp_(-127, 127)
+    return (q.double() * (amax / 127).double()).view_as(x)
+
+
 def dequantize(lin: QuantLinear) -> torch.Tensor:
     """The fp32 weights `[N, K]` the kernel multiplies by (tests, error reports)."""
     if lin.fmt == "bfloat16":
         return lin.w.float()
     if lin.bits == 8:
-        return dequantize_q8(lin.w, lin.s)
+        return dequantize_q8(*unpack_q8(lin.w, lin.s))
     if lin.fmt == "int8":
         return lin.w.float() * lin.s.float()[:, None]
     if lin.bits == 4:
-        return dequantize_q4(unpack_q4(lin.w), lin.s)
+        return dequantize_q4(*unpack_q4(lin.w, lin.s))
     raise SpecforkError("int4 weights are kept packed; dequantize before packing")
 
 
@@ -254,8 +299,9 @@ def resolve(fmt: str, device: torch.device, matmuls=None, head=None) -> str:
     """`auto` -> the format this machine runs fastest within the exactness contract: int4 where
     specfork's kernel runs and every matmul weight of `matmuls` lies exactly on a Q4_1 grid
     and `head` on a Q8_0 one (a model read from a GGUF of those blocks, as the embedded target:
-    int4 then multiplies by the very weights float32 holds, in float32, and reads a sixth of
-    the bytes), float32 otherwise (and on a GPU, and for weights given as `None`)."""
+    int4 then multiplies by the very weights float32 holds, with 8-bit activations as llama.cpp
+    does on that file, and reads a sixth of the bytes), float32 otherwise (and on a GPU, and for
+    weights given as `None`)."""
     check_weights(fmt, device)
     if fmt != "auto":
         return fmt

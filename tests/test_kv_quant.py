@@ -76,7 +76,8 @@ def test_compiled_encoder_matches_torch_and_ignores_the_row_count(rate):
     if not slot_op.available():
         pytest.skip("no C++ toolchain for the CPU ops")
     c = TurboCodec(64, rate, seed=5)
-    c.set_center(torch.randn(3, 64))
+    # a seeded centre: boundary ties vary with it (0-3 rows of these 2100 over 12 centres)
+    c.set_center(torch.randn(3, 64, generator=torch.Generator().manual_seed(0)))
     x = torch.randn(700, 3, 64, generator=torch.Generator().manual_seed(2)) * 5
     assert c._op_encodes(x)
     rows, dec = c.encode_decode(x)

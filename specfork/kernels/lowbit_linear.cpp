@@ -2,19 +2,25 @@
 // (+ bias) (+ residual).
 //
 // Why: a decode step reads every weight once, so its matmuls should run at the memory's read
-// bandwidth. torch's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` reach about 0.3 of
-// it on one or a few rows here, and take bf16 activations (a cast each way per matmul). This
-// kernel dequantizes each weight once per tile of rows to float32 and multiplies float32
-// activations, 16 per instruction, tiles of up to 4 rows x 4 outputs sharing each dequantized
-// vector; the residual add and the bias are fused. The block formats are GGUF's own: int4 is
-// Q4_1 (w = q * d + m per 32 weights) and int8 is Q8_0 (w = q * d), d and m float16, so weights
-// that came from such a file are held exactly. (bf16 dot products, `vdpbf16ps`, measured slower
-// on the Sapphire Rapids here: one per ~3.5 cycles against a float32 FMA per cycle.)
+// bandwidth, and a verify tree's or a batch's 8-16 rows should cost little more than one.
+// torch's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` reach about 0.3 of the bandwidth
+// on a few rows here. The block formats are GGUF's own: int4 is Q4_1 (w = q * d + m per 32
+// weights) and int8 is Q8_0 (w = q * d), d and m float16, so weights that came from such a file
+// are held exactly. As llama.cpp does, each row's activations are quantized to 8 bits per group
+// of 32 (Q8_0-like, the offsets' term in float32) and the codes multiply them in integers with
+// AVX512-VNNI's vpdpbusd: 64 products per instruction, four times a float32 FMA's 16, with no
+// per-weight dequantization, so extra rows cost a fraction of the weights' read. Weights are
+// held in panels of 16 outputs (weights.py's pack_q4 / pack_q8), one output per float32 lane,
+// so no horizontal sum is left at the end. Residual add and bias are fused. (An earlier kernel
+// here dequantized every weight to float32 per tile of 4 rows: one row ran at 0.47 of the
+// bandwidth and 16 rows cost 5.9 one-row calls.) bf16 weights take float32 FMAs over rows and
+// outputs (bf16 dot products, `vdpbf16ps`, measured slower on the Sapphire Rapids here: one per
+// ~3.5 cycles against a float32 FMA per cycle).
 //
 // Every (row, output) is computed by the same instructions in the same order whatever the row
 // count, the row's place in the call or the thread split (threads split the outputs), so a
 // verify tree's row gets the bits the one-row decode step gets. Built where the compiler targets
-// AVX-512 (`lowbit_native()`); elsewhere QuantLinear keeps torch's kernels.
+// AVX-512 with VNNI (`lowbit_native()`); elsewhere QuantLinear keeps torch's kernels.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -25,7 +31,7 @@
 #include <algorithm>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define SPECFORK_LOWBIT 1
 #endif
@@ -33,8 +39,140 @@
 namespace {
 
 constexpr int64_t GROUP = 32;   // inputs per scale (GGUF Q4_1 / Q8_0 blocks)
+constexpr int64_t LANES = 16;   // outputs per panel: one per float32 lane
 
 #ifdef SPECFORK_LOWBIT
+
+// A row's activations quantized as llama.cpp does before a Q4_1 / Q8_0 dot product: per group of
+// 32 inputs a scale dx = max|x| / 127 and codes xq = round(x / dx) in -127..127; with them, per
+// group, dx * sum(xq), which Q4_1's offsets multiply (the sum of the quantized row, not of x:
+// the product is then w . x^ for the quantized x^, whose error sum(w (x - x^)) weighs by w,
+// not by w - m, about twice as large), and -128 * sum(xq) (the int8 panels store w + 128, see
+// below). Each row on its own, so a row's values do not depend on the call.
+struct QuantRows {
+  std::vector<int8_t> q;        // [T, K]
+  std::vector<float> dx, xs;    // [T, G]
+  std::vector<int32_t> neg;     // [T, G]
+};
+
+void quantize_rows(const float* x, int64_t T, int64_t K, QuantRows& a) {
+  const int64_t G = K / GROUP;
+  a.q.resize(T * K);
+  a.dx.resize(T * G);
+  a.xs.resize(T * G);
+  a.neg.resize(T * G);
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t i = 0; i < T * G; ++i) {
+    const float* xg = x + i * GROUP;                  // row i / G, group i % G
+    const __m512 x0 = _mm512_loadu_ps(xg), x1 = _mm512_loadu_ps(xg + 16);
+    const float amax = _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+    const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv));   // to nearest, ties even
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+    _mm_storeu_si128((__m128i*)(a.q.data() + i * GROUP), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128((__m128i*)(a.q.data() + i * GROUP + 16), _mm512_cvtsepi32_epi8(q1));
+    const int32_t qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    a.dx[i] = amax / 127.0f;
+    a.xs[i] = a.dx[i] * (float)qsum;
+    a.neg[i] = -128 * qsum;
+  }
+}
+
+// Panels of 16 outputs (one per lane), rows t0..t0+NT, all groups of 32 inputs. A (panel, group)
+// record is RB bytes of weights and its 16 scales (and 16 offsets) beside, in weights.py's order:
+// - 4-bit (GGUF Q4_1, w = q * d + m): 4 chunks of 64 bytes; in chunk c, lane j's 4 bytes hold
+//   output j's codes of inputs 4c..4c+3 in their low nibbles and 16+4c..16+4c+3 in their high;
+// - 8-bit (GGUF Q8_0, w = q * d): 8 chunks; chunk c, lane j: output j's q + 128 of inputs
+//   4c..4c+3 (unsigned, as vpdpbusd multiplies them; the row's -128 * sum(xq) takes it back).
+// vpdpbusd sums 4 code x activation products per lane, so a group's integer dot product of 16
+// outputs with a row takes 8 instructions, exact; per group each lane then does, in this order,
+// acc = fma(float(isum) * dx, d, acc) (and, 4-bit, acc = fma(m, sum(x), acc)). The same
+// instructions in the same order for every (row, output) whatever the row count, the row's place
+// or the thread split (threads split the panels): a verify tree's row gets a decode step's bits.
+template <int NT, int BITS>
+void panel_tile(const QuantRows& a, int64_t t0, int64_t K, const uint8_t* w, const uint16_t* sp,
+                const float* bias, const float* res, float* y, int64_t N, int64_t n,
+                bool prefetch) {
+  constexpr int64_t RB = BITS * GROUP * LANES / 8;  // bytes of a (panel, group)'s weights
+  constexpr int64_t SV = BITS == 4 ? 2 : 1;         // scale vectors per (panel, group)
+  const int64_t G = K / GROUP;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[NT];
+  for (int r = 0; r < NT; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = w + g * RB;
+    if (prefetch)                                   // a few groups ahead in the panel stream
+      for (int64_t l = 0; l < RB; l += 64) _mm_prefetch((const char*)(wg + 4 * RB + l), _MM_HINT_T0);
+    __m512i is[NT];
+    const int8_t* xq[NT];
+    for (int r = 0; r < NT; ++r) {
+      const int64_t i = (t0 + r) * G + g;
+      xq[r] = a.q.data() + i * GROUP;
+      is[r] = BITS == 8 ? _mm512_set1_epi32(a.neg[i]) : _mm512_setzero_si512();
+    }
+    if constexpr (BITS == 4) {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(wg + 64 * c);
+        const __m512i lo = _mm512_and_si512(v, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int r = 0; r < NT; ++r) {
+          is[r] = _mm512_dpbusd_epi32(is[r], lo, _mm512_set1_epi32(*(const int32_t*)(xq[r] + 4 * c)));
+          is[r] = _mm512_dpbusd_epi32(is[r], hi,
+                                      _mm512_set1_epi32(*(const int32_t*)(xq[r] + 16 + 4 * c)));
+        }
+      }
+    } else {
+      for (int c = 0; c < 8; ++c) {
+        const __m512i v = _mm512_loadu_si512(wg + 64 * c);
+        for (int r = 0; r < NT; ++r)
+          is[r] = _mm512_dpbusd_epi32(is[r], v, _mm512_set1_epi32(*(const int32_t*)(xq[r] + 4 * c)));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + g * SV * LANES)));
+    for (int r = 0; r < NT; ++r) {
+      const int64_t i = (t0 + r) * G + g;
+      const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(is[r]), _mm512_set1_ps(a.dx[i]));
+      acc[r] = _mm512_fmadd_ps(f, d, acc[r]);
+    }
+    if constexpr (BITS == 4) {
+      const __m512 m = _mm512_cvtph_ps(
+          _mm256_loadu_si256((const __m256i*)(sp + (g * SV + 1) * LANES)));
+      for (int r = 0; r < NT; ++r)
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.xs[(t0 + r) * G + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < NT; ++r) {                    // (y + b) + x, as QuantLinear adds them
+    __m512 v = acc[r];
+    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+    if (res) v = _mm512_add_ps(v, _mm512_loadu_ps(res + (t0 + r) * N + n));
+    _mm512_storeu_ps(y + (t0 + r) * N + n, v);
+  }
+}
+
+// Panels p0..p1 for all T rows, in tiles of up to 8 rows: the first tile streams a panel from
+// memory, later ones find it in L1 (a panel is 16 x K/2 bytes at 4 bits).
+template <int BITS>
+void panel_rows(const QuantRows& a, int64_t T, int64_t K, const uint8_t* w, const uint16_t* s,
+                const float* bias, const float* res, int64_t p0, int64_t p1, float* y,
+                int64_t N) {
+  constexpr int64_t SV = BITS == 4 ? 2 : 1;
+  const int64_t G = K / GROUP, PB = BITS * GROUP * LANES / 8 * G;   // bytes per panel
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* wp = w + p * PB;
+    const uint16_t* sp = s + p * G * SV * LANES;
+    for (int64_t t0 = 0; t0 < T; t0 += 8) {
+      const bool pf = t0 == 0 && p + 1 < p1;
+      switch (std::min<int64_t>(8, T - t0)) {
+#define SPECFORK_TILE(R) \
+        case R: panel_tile<R, BITS>(a, t0, K, wp, sp, bias, res, y, N, p * LANES, pf); break;
+        SPECFORK_TILE(1) SPECFORK_TILE(2) SPECFORK_TILE(3) SPECFORK_TILE(4)
+        SPECFORK_TILE(5) SPECFORK_TILE(6) SPECFORK_TILE(7) SPECFORK_TILE(8)
+#undef SPECFORK_TILE
+      }
+    }
+  }
+}
 
 // A product's value plus its bias and residual where given, in QuantLinear's order ((y + b) + x).
 inline float finish(float v, const float* bias, const float* res, int64_t t, int64_t N,
@@ -42,73 +180,6 @@ inline float finish(float v, const float* bias, const float* res, int64_t t, int
   if (bias) v += bias[n];
   if (res) v += res[t * N + n];
   return v;
-}
-
-// Block formats, rows t0..t0+NT of outputs n..n+NO, groups of 32 inputs:
-// - 4-bit (GGUF Q4_1): w [N, K/2] bytes, group g in bytes 16g..16g+15, byte j holding input
-//   32g + j in its low nibble and 32g + 16 + j in its high one; sz [N, K/32, 2] float16 (scale d,
-//   offset m): w = fma(q, d, m), the group's 16 values computed once and looked up by code;
-// - 8-bit (GGUF Q8_0): w [N, K] int8, sz [N, K/32] float16 (scale d): w = q * d (exact in float32).
-// Each weight is dequantized once per tile and shared by its rows; NT x NO accumulators keep the
-// multiply-add units busy; the next tile's bytes are prefetched as this one's are read.
-template <int NT, int NO, int BITS>
-void group_tile(const float* x, int64_t t0, int64_t K, const uint8_t* w, const uint16_t* sz,
-                const float* bias, const float* res, float* y, int64_t N, int64_t n) {
-  constexpr int64_t PASS = 64;                      // groups whose scales are widened at once
-  constexpr int64_t RB = BITS * GROUP / 8;          // bytes of a group's weights
-  constexpr int64_t SV = BITS == 4 ? 2 : 1;         // scale values per group
-  const int64_t G = K / GROUP;
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const char* next = (const char*)(w + std::min(n + NO, N - 1) * RB * G);
-  alignas(64) float sf[NO][SV * PASS];
-  __m512 acc[NT][NO];
-  for (int r = 0; r < NT; ++r)
-    for (int o = 0; o < NO; ++o) acc[r][o] = _mm512_setzero_ps();
-  for (int64_t g0 = 0; g0 < G; g0 += PASS) {
-    const int64_t gn = std::min(PASS, G - g0);
-    for (int o = 0; o < NO; ++o)
-      for (int64_t i = 0; i < SV * gn; i += 16) {
-        const __mmask16 m = SV * gn - i >= 16 ? (__mmask16)0xFFFF
-                                              : (__mmask16)((1u << (SV * gn - i)) - 1);
-        _mm512_store_ps(sf[o] + i, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
-            m, sz + ((n + o) * G + g0) * SV + i)));
-      }
-    for (int64_t g = g0; g < g0 + gn; ++g) {
-      if (t0 == 0)
-        for (int64_t l = 0; l < RB * NO; l += 64) _mm_prefetch(next + RB * NO * g + l, _MM_HINT_T0);
-      __m512 xa[NT], xb[NT];
-      for (int r = 0; r < NT; ++r) {
-        xa[r] = _mm512_loadu_ps(x + (t0 + r) * K + GROUP * g);
-        xb[r] = _mm512_loadu_ps(x + (t0 + r) * K + GROUP * g + 16);
-      }
-      for (int o = 0; o < NO; ++o) {
-        const uint8_t* wg = w + ((n + o) * G + g) * RB;
-        const __m512 s = _mm512_set1_ps(sf[o][SV * (g - g0)]);
-        __m512 wa, wb;
-        if constexpr (BITS == 4) {
-          const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)wg));
-          // vpermps reads the low 4 bits of each lane: the low nibble as it is, the high one
-          // shifted down
-          const __m512 table = _mm512_fmadd_ps(iota, s, _mm512_set1_ps(sf[o][2 * (g - g0) + 1]));
-          wa = _mm512_permutexvar_ps(codes, table);
-          wb = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
-        } else {
-          wa = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                 _mm_loadu_si128((const __m128i*)wg))), s);
-          wb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                 _mm_loadu_si128((const __m128i*)(wg + 16)))), s);
-        }
-        for (int r = 0; r < NT; ++r) {
-          acc[r][o] = _mm512_fmadd_ps(wa, xa[r], acc[r][o]);
-          acc[r][o] = _mm512_fmadd_ps(wb, xb[r], acc[r][o]);
-        }
-      }
-    }
-  }
-  for (int r = 0; r < NT; ++r)
-    for (int o = 0; o < NO; ++o)
-      y[(t0 + r) * N + n + o] = finish(_mm512_reduce_add_ps(acc[r][o]), bias, res, t0 + r, N,
-                                       n + o);
 }
 
 // bf16 weights widened to float32 by their bits, 16 at a time.
@@ -165,15 +236,6 @@ void tiles(int64_t T, int64_t n0, int64_t n1, F f) {
   }
 }
 
-template <int BITS>
-void group_rows(const float* x, int64_t T, int64_t K, const uint8_t* w, const uint16_t* sz,
-                const float* bias, const float* res, int64_t n0, int64_t n1, float* y,
-                int64_t N) {
-  tiles(T, n0, n1, [&]<int NT, int NO>(int64_t t0, int64_t n) {
-    group_tile<NT, NO, BITS>(x, t0, K, w, sz, bias, res, y, N, n);
-  });
-}
-
 void bf16_rows(const float* x, int64_t T, int64_t K, const uint16_t* w, const float* bias,
                const float* res, int64_t n0, int64_t n1, float* y, int64_t N) {
   tiles(T, n0, n1, [&]<int NT, int NO>(int64_t t0, int64_t n) {
@@ -200,7 +262,7 @@ at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
                          int64_t bits, const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& residual) {
 #ifndef SPECFORK_LOWBIT
-  TORCH_CHECK(false, "lowbit_linear: built without AVX-512");
+  TORCH_CHECK(false, "lowbit_linear: built without AVX-512 VNNI");
 #else
   // profilers see it under its own name when layer_stack.cpp calls it directly
   RECORD_FUNCTION("specfork::lowbit_linear", std::vector<c10::IValue>());
@@ -214,15 +276,16 @@ at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
     TORCH_CHECK(w.scalar_type() == at::kByte && w.size(1) == K / 2 && s.dim() == 3 &&
                     s.scalar_type() == at::kHalf &&
                     s.size(0) == N && s.size(1) == K / GROUP && s.size(2) == 2,
-                "lowbit_linear: 4-bit weights [N, K/2] uint8, scales [N, K/32, 2] float16");
+                "lowbit_linear: 4-bit panels [N, K/2] uint8, scales [N, K/32, 2] float16");
   } else if (bits == 8) {
-    TORCH_CHECK(w.scalar_type() == at::kChar && w.size(1) == K && s.dim() == 2 &&
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.size(1) == K && s.dim() == 2 &&
                     s.scalar_type() == at::kHalf && s.size(0) == N && s.size(1) == K / GROUP,
-                "lowbit_linear: 8-bit weights [N, K] int8, scales [N, K/32] float16");
+                "lowbit_linear: 8-bit panels [N, K] uint8, scales [N, K/32] float16");
   } else {
     TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(1) == K,
                 "lowbit_linear: 16-bit weights [N, K] bfloat16");
   }
+  TORCH_CHECK(bits == 16 || N % LANES == 0, "lowbit_linear: outputs a multiple of ", LANES);
   const auto xc = x.contiguous();
   at::Tensor bc, rc;
   if (bias) {
@@ -241,15 +304,22 @@ at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const float* bp = bias ? bc.data_ptr<float>() : nullptr;
   const float* rp = residual ? rc.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    if (bits == 4)
-      group_rows<4>(xp, T, K, w.data_ptr<uint8_t>(), (const uint16_t*)s.data_ptr<at::Half>(), bp,
-                    rp, n0, n1, yp, N);
-    else if (bits == 8)
-      group_rows<8>(xp, T, K, (const uint8_t*)w.data_ptr<int8_t>(),
-                    (const uint16_t*)s.data_ptr<at::Half>(), bp, rp, n0, n1, yp, N);
-    else
+  if (bits == 16) {
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
       bf16_rows(xp, T, K, (const uint16_t*)w.data_ptr<at::BFloat16>(), bp, rp, n0, n1, yp, N);
+    });
+    return y;
+  }
+  QuantRows a;                       // every row's activations, quantized once for all panels
+  quantize_rows(xp, T, K, a);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint16_t* sp = (const uint16_t*)s.data_ptr<at::Half>();
+  const int64_t P = N / LANES;
+  at::parallel_for(0, P, (P + threads - 1) / threads, [&](int64_t p0, int64_t p1) {
+    if (bits == 4)
+      panel_rows<4>(a, T, K, wp, sp, bp, rp, p0, p1, yp, N);
+    else
+      panel_rows<8>(a, T, K, wp, sp, bp, rp, p0, p1, yp, N);
   });
   return y;
 #endif

@@ -4,7 +4,7 @@
 
 #include <optional>
 
-// Whether this build has the AVX512-BF16 kernels (elsewhere `lowbit_linear` refuses).
+// Whether this build has the AVX-512 (VNNI) kernels (elsewhere `lowbit_linear` refuses).
 bool lowbit_native();
 
 at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s,
