@@ -102,8 +102,8 @@ void panel_tile(const QuantRows& a, int64_t t0, int64_t K, const uint8_t* w, con
   for (int r = 0; r < NT; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wg = w + g * RB;
-    if (prefetch)                                   // a few groups ahead in the panel stream
-      for (int64_t l = 0; l < RB; l += 64) _mm_prefetch((const char*)(wg + 4 * RB + l), _MM_HINT_T0);
+    if (prefetch)                                   // 8 groups ahead in the panel stream
+      for (int64_t l = 0; l < RB; l += 64) _mm_prefetch((const char*)(wg + 8 * RB + l), _MM_HINT_T0);
     __m512i is[NT];
     const int8_t* xq[NT];
     for (int r = 0; r < NT; ++r) {
