@@ -229,11 +229,11 @@ def unpack_q4(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q8_0 codes `[N, K]` (int8) and d `[N, K / 32]` -> `lowbit_linear.cpp`'s panels in tensors
-    of the same shapes: q + 128 as uint8 ordered [N / 16, K / 32, chunk c 0..7, j, b 0..3]
-    (output j's input 4c + b of the group), d ordered [N / 16, K / 32, j]."""
+    of the same shapes: q's bytes (uint8 storage) ordered [N / 16, K / 32, chunk c 0..7, j,
+    b 0..3] (output j's input 4c + b of the group), d ordered [N / 16, K / 32, j]."""
     N, K = q.shape
     P, G = N // LANES, K // GROUP
-    u = (q.to(torch.int16) + 128).to(torch.uint8).view(P, LANES, G, 8, 4)
+    u = q.contiguous().view(torch.uint8).view(P, LANES, G, 8, 4)
     return (u.permute(0, 2, 3, 1, 4).reshape(N, K).contiguous(),
             d.view(P, LANES, G).permute(0, 2, 1).reshape(N, G).contiguous())
 
@@ -242,9 +242,8 @@ def unpack_q8(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     """`pack_q8`'s inverse."""
     N, G = s.shape
     P = N // LANES
-    u = w.view(P, G, 8, LANES, 4).permute(0, 3, 1, 2, 4).reshape(N, G * GROUP)
-    return ((u.to(torch.int16) - 128).to(torch.int8),
-            s.view(P, G, LANES).permute(0, 2, 1).reshape(N, G).contiguous())
+    u = w.view(P, G, 8, LANES, 4).permute(0, 3, 1, 2, 4).reshape(N, G * GROUP).contiguous()
+    return u.view(torch.int8), s.view(P, G, LANES).permute(0, 2, 1).reshape(N, G).contiguous()
 
 
 def dequantize_q4(q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:

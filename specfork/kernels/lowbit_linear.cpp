@@ -9,9 +9,11 @@
 // are held exactly. As llama.cpp does, each row's activations are quantized to 8 bits per group
 // of 32 (Q8_0-like, the offsets' term in float32) and the codes multiply them in integers with
 // AVX512-VNNI's vpdpbusd: 64 products per instruction, four times a float32 FMA's 16, with no
-// per-weight dequantization, so extra rows cost a fraction of the weights' read. Weights are
-// held in panels of 16 outputs (weights.py's pack_q4 / pack_q8), one output per float32 lane,
-// so no horizontal sum is left at the end. Residual add and bias are fused. (An earlier kernel
+// per-weight dequantization, so extra rows cost a fraction of the weights' read. From AMX_ROWS
+// rows (a verify tree, a batch) AMX's tdpbusd multiplies 16 rows by a record at once (where the
+// CPU and the kernel allow it; SPECFORK_AMX=0: off); its integers are vpdpbusd's, and every row
+// then ends with the same float ops. Weights are held in panels of 16 outputs (weights.py's
+// pack_q4 / pack_q8), one output per float32 lane, so no horizontal sum is left at the end. Residual add and bias are fused. (An earlier kernel
 // here dequantized every weight to float32 per tile of 4 rows: one row ran at 0.47 of the
 // bandwidth and 16 rows cost 5.9 one-row calls.) bf16 weights take float32 FMAs over rows and
 // outputs (bf16 dot products, `vdpbf16ps`, measured slower on the Sapphire Rapids here: one per
@@ -29,11 +31,17 @@
 #include "lowbit_linear.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define SPECFORK_LOWBIT 1
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define SPECFORK_AMX 1
+#endif
 #endif
 
 namespace {
@@ -44,24 +52,24 @@ constexpr int64_t LANES = 16;   // outputs per panel: one per float32 lane
 #ifdef SPECFORK_LOWBIT
 
 // A row's activations quantized as llama.cpp does before a Q4_1 / Q8_0 dot product: per group of
-// 32 inputs a scale dx = max|x| / 127 and codes xq = round(x / dx) in -127..127; with them, per
-// group, dx * sum(xq), which Q4_1's offsets multiply (the sum of the quantized row, not of x:
-// the product is then w . x^ for the quantized x^, whose error sum(w (x - x^)) weighs by w,
-// not by w - m, about twice as large), and -128 * sum(xq) (the int8 panels store w + 128, see
-// below). Each row on its own, so a row's values do not depend on the call.
+// 32 inputs a scale dx = max|x| / 127 and codes xq = round(x / dx) in -127..127, stored as
+// xq + 128 (unsigned: vpdpbusd and AMX's tdpbusd take one operand unsigned, and the weights,
+// signed, are the other); with them, per group, dx * sum(xq), which Q4_1's offsets multiply (the
+// sum of the quantized row, not of x: the product is then w . x^ for the quantized x^, whose
+// error sum(w (x - x^)) weighs by w, not by w - m, about twice as large). Each row on its own, so
+// a row's values do not depend on the call. Rows are padded to a multiple of 16 (AMX tiles).
 struct QuantRows {
-  std::vector<int8_t> q;        // [T, K]
+  std::vector<uint8_t> u;       // [T16, K]: xq + 128
   std::vector<float> dx, xs;    // [T, G]
-  std::vector<int32_t> neg;     // [T, G]
 };
 
 void quantize_rows(const float* x, int64_t T, int64_t K, QuantRows& a) {
   const int64_t G = K / GROUP;
-  a.q.resize(T * K);
+  a.u.assign(((T + 15) / 16 * 16) * K, 128);
   a.dx.resize(T * G);
   a.xs.resize(T * G);
-  a.neg.resize(T * G);
   const __m512 sign = _mm512_set1_ps(-0.0f);
+  const __m128i off = _mm_set1_epi8((char)128);
   for (int64_t i = 0; i < T * G; ++i) {
     const float* xg = x + i * GROUP;                  // row i / G, group i % G
     const __m512 x0 = _mm512_loadu_ps(xg), x1 = _mm512_loadu_ps(xg + 16);
@@ -70,94 +78,202 @@ void quantize_rows(const float* x, int64_t T, int64_t K, QuantRows& a) {
     const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv));   // to nearest, ties even
     const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
-    _mm_storeu_si128((__m128i*)(a.q.data() + i * GROUP), _mm512_cvtsepi32_epi8(q0));
-    _mm_storeu_si128((__m128i*)(a.q.data() + i * GROUP + 16), _mm512_cvtsepi32_epi8(q1));
-    const int32_t qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    _mm_storeu_si128((__m128i*)(a.u.data() + i * GROUP),
+                     _mm_add_epi8(_mm512_cvtsepi32_epi8(q0), off));
+    _mm_storeu_si128((__m128i*)(a.u.data() + i * GROUP + 16),
+                     _mm_add_epi8(_mm512_cvtsepi32_epi8(q1), off));
     a.dx[i] = amax / 127.0f;
-    a.xs[i] = a.dx[i] * (float)qsum;
-    a.neg[i] = -128 * qsum;
+    a.xs[i] = a.dx[i] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
   }
 }
 
-// Panels of 16 outputs (one per lane), rows t0..t0+NT, all groups of 32 inputs. A (panel, group)
-// record is RB bytes of weights and its 16 scales (and 16 offsets) beside, in weights.py's order:
-// - 4-bit (GGUF Q4_1, w = q * d + m): 4 chunks of 64 bytes; in chunk c, lane j's 4 bytes hold
-//   output j's codes of inputs 4c..4c+3 in their low nibbles and 16+4c..16+4c+3 in their high;
-// - 8-bit (GGUF Q8_0, w = q * d): 8 chunks; chunk c, lane j: output j's q + 128 of inputs
-//   4c..4c+3 (unsigned, as vpdpbusd multiplies them; the row's -128 * sum(xq) takes it back).
-// vpdpbusd sums 4 code x activation products per lane, so a group's integer dot product of 16
-// outputs with a row takes 8 instructions, exact; per group each lane then does, in this order,
-// acc = fma(float(isum) * dx, d, acc) (and, 4-bit, acc = fma(m, sum(x), acc)). The same
-// instructions in the same order for every (row, output) whatever the row count, the row's place
-// or the thread split (threads split the panels): a verify tree's row gets a decode step's bits.
+// A (panel, group) record's weights in the layout both multiply instructions read, 8 vectors of
+// 64 bytes: vector c (0..7), lane j holds output j's signed weights of inputs 4c..4c+3 (an AMX B
+// tile of 8 rows). In memory (weights.py's pack_q4 / pack_q8):
+// - 4-bit (GGUF Q4_1, w = q * d + m): 4 chunks; in chunk c, lane j's 4 bytes hold output j's codes
+//   of inputs 4c..4c+3 in their low nibbles and 16+4c..16+4c+3 in their high ones: vectors c and
+//   4 + c once split;
+// - 8-bit (GGUF Q8_0, w = q * d): the 8 vectors as they are.
+// Also -128 * sum(w) per lane, which takes the activations' +128 back out of the integer sum.
+template <int BITS>
+inline __m512i record(const uint8_t* wg, __m512i v[8]) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i sum = _mm512_setzero_si512();
+  if constexpr (BITS == 4) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512i bytes = _mm512_setzero_si512();         // per byte at most 4 x 2 x 15: no overflow
+    for (int c = 0; c < 4; ++c) {
+      const __m512i x = _mm512_loadu_si512(wg + 64 * c);
+      v[c] = _mm512_and_si512(x, low);
+      v[4 + c] = _mm512_and_si512(_mm512_srli_epi16(x, 4), low);
+      bytes = _mm512_add_epi8(bytes, _mm512_add_epi8(v[c], v[4 + c]));
+    }
+    sum = _mm512_dpbusd_epi32(sum, ones, bytes);
+  } else {
+    for (int c = 0; c < 8; ++c) {
+      v[c] = _mm512_loadu_si512(wg + 64 * c);
+      sum = _mm512_dpbusd_epi32(sum, ones, v[c]);
+    }
+  }
+  return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7));
+}
+
+// One row's integer dot product of a group with a panel, corrected, into its float32 accumulator
+// (one lane per output): acc = fma(float(isum) * dx, d, acc), and for 4 bits
+// acc = fma(m, dx * sum(xq), acc). Both kernels end every (row, group) with exactly these ops.
+template <int BITS>
+inline __m512 scale_add(__m512i isum, float dx, float xs, __m512 d, __m512 m, __m512 acc) {
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(dx)), d, acc);
+  if constexpr (BITS == 4) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(xs), acc);
+  return acc;
+}
+
+inline void store_row(__m512 v, const float* bias, const float* res, float* y, int64_t N,
+                      int64_t t, int64_t n) {   // (y + b) + x, as QuantLinear adds them
+  if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+  if (res) v = _mm512_add_ps(v, _mm512_loadu_ps(res + t * N + n));
+  _mm512_storeu_ps(y + t * N + n, v);
+}
+
+constexpr int64_t SV_OF(int bits) { return bits == 4 ? 2 : 1; }   // scale vectors per record
+
+// VNNI, rows t0..t0+NT of one panel (16 outputs), all groups: vpdpbusd sums 4 activation x weight
+// products per lane, so a group of 16 outputs takes 8 per row, exact in int32.
 template <int NT, int BITS>
-void panel_tile(const QuantRows& a, int64_t t0, int64_t K, const uint8_t* w, const uint16_t* sp,
-                const float* bias, const float* res, float* y, int64_t N, int64_t n,
-                bool prefetch) {
-  constexpr int64_t RB = BITS * GROUP * LANES / 8;  // bytes of a (panel, group)'s weights
-  constexpr int64_t SV = BITS == 4 ? 2 : 1;         // scale vectors per (panel, group)
+void vnni_tile(const QuantRows& a, int64_t t0, int64_t K, const uint8_t* w, const uint16_t* sp,
+               const float* bias, const float* res, float* y, int64_t N, int64_t n,
+               bool prefetch) {
+  constexpr int64_t RB = BITS * GROUP * LANES / 8;  // bytes of a record's weights
+  constexpr int64_t SV = SV_OF(BITS);
   const int64_t G = K / GROUP;
-  const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[NT];
   for (int r = 0; r < NT; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wg = w + g * RB;
     if (prefetch)                                   // 8 groups ahead in the panel stream
       for (int64_t l = 0; l < RB; l += 64) _mm_prefetch((const char*)(wg + 8 * RB + l), _MM_HINT_T0);
+    __m512i v[8];
+    const __m512i corr = record<BITS>(wg, v);
     __m512i is[NT];
-    const int8_t* xq[NT];
-    for (int r = 0; r < NT; ++r) {
-      const int64_t i = (t0 + r) * G + g;
-      xq[r] = a.q.data() + i * GROUP;
-      is[r] = BITS == 8 ? _mm512_set1_epi32(a.neg[i]) : _mm512_setzero_si512();
-    }
-    if constexpr (BITS == 4) {
-      for (int c = 0; c < 4; ++c) {
-        const __m512i v = _mm512_loadu_si512(wg + 64 * c);
-        const __m512i lo = _mm512_and_si512(v, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        for (int r = 0; r < NT; ++r) {
-          is[r] = _mm512_dpbusd_epi32(is[r], lo, _mm512_set1_epi32(*(const int32_t*)(xq[r] + 4 * c)));
-          is[r] = _mm512_dpbusd_epi32(is[r], hi,
-                                      _mm512_set1_epi32(*(const int32_t*)(xq[r] + 16 + 4 * c)));
-        }
-      }
-    } else {
-      for (int c = 0; c < 8; ++c) {
-        const __m512i v = _mm512_loadu_si512(wg + 64 * c);
-        for (int r = 0; r < NT; ++r)
-          is[r] = _mm512_dpbusd_epi32(is[r], v, _mm512_set1_epi32(*(const int32_t*)(xq[r] + 4 * c)));
-      }
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + g * SV * LANES)));
-    for (int r = 0; r < NT; ++r) {
-      const int64_t i = (t0 + r) * G + g;
-      const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(is[r]), _mm512_set1_ps(a.dx[i]));
-      acc[r] = _mm512_fmadd_ps(f, d, acc[r]);
-    }
-    if constexpr (BITS == 4) {
-      const __m512 m = _mm512_cvtph_ps(
-          _mm256_loadu_si256((const __m256i*)(sp + (g * SV + 1) * LANES)));
+    for (int r = 0; r < NT; ++r) is[r] = corr;
+    for (int c = 0; c < 8; ++c)
       for (int r = 0; r < NT; ++r)
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.xs[(t0 + r) * G + g]), acc[r]);
+        is[r] = _mm512_dpbusd_epi32(
+            is[r], _mm512_set1_epi32(*(const int32_t*)(a.u.data() + (t0 + r) * K + g * GROUP + 4 * c)),
+            v[c]);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + g * SV * LANES)));
+    const __m512 m = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                     (const __m256i*)(sp + (g * SV + 1) * LANES)))
+                               : d;
+    for (int r = 0; r < NT; ++r) {
+      const int64_t i = (t0 + r) * G + g;
+      acc[r] = scale_add<BITS>(is[r], a.dx[i], a.xs[i], d, m, acc[r]);
     }
   }
-  for (int r = 0; r < NT; ++r) {                    // (y + b) + x, as QuantLinear adds them
-    __m512 v = acc[r];
-    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
-    if (res) v = _mm512_add_ps(v, _mm512_loadu_ps(res + (t0 + r) * N + n));
-    _mm512_storeu_ps(y + (t0 + r) * N + n, v);
-  }
+  for (int r = 0; r < NT; ++r) store_row(acc[r], bias, res, y, N, t0 + r, n);
 }
 
-// Panels p0..p1 for all T rows, in tiles of up to 8 rows: the first tile streams a panel from
-// memory, later ones find it in L1 (a panel is 16 x K/2 bytes at 4 bits).
+#ifdef SPECFORK_AMX
+// AMX: one tdpbusd per (record, block of 16 rows) multiplies the block's activations (tile A,
+// 16 rows x 32 bytes, read in place at stride K) by the record's weights (tile B, 8 x 64 bytes:
+// the 8 vectors above) into C [16 rows x 16 outputs] int32 - the very integers vpdpbusd sums -
+// then each row ends as the VNNI kernel's rows do. Tiles: 0 = C, 1 = A, 2 = B.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 32, 64, 64, 32, 64};
+  uint8_t rows[16] = {16, 16, 8, 16, 16, 8};
+};
+
+bool amx_ready() {                      // Linux gives a process AMX state only when it asks
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+template <int BITS>
+void amx_panel(const QuantRows& a, int64_t T, int64_t K, const uint8_t* w, const uint16_t* sp,
+               const float* bias, const float* res, float* y, int64_t N, int64_t n,
+               bool prefetch) {
+  constexpr int64_t RB = BITS * GROUP * LANES / 8;
+  constexpr int64_t SV = SV_OF(BITS);
+  const int64_t G = K / GROUP;
+  alignas(64) int32_t cbuf[2][16 * LANES];
+  alignas(64) uint8_t bbuf[2][8 * 64];
+  for (int64_t t0 = 0; t0 < T; t0 += 16) {
+    const int64_t nt = std::min<int64_t>(16, T - t0);
+    __m512 acc[16];
+    for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < G; g0 += 2) {      // two groups in flight: tiles 0-2 and 3-5
+      const int64_t ng = std::min<int64_t>(2, G - g0);
+      __m512i corr[2];
+      for (int64_t h = 0; h < ng; ++h) {
+        const uint8_t* wg = w + (g0 + h) * RB;
+        if (prefetch && t0 == 0)
+          for (int64_t l = 0; l < RB; l += 64)
+            _mm_prefetch((const char*)(wg + 8 * RB + l), _MM_HINT_T0);
+        __m512i v[8];
+        corr[h] = record<BITS>(wg, v);
+        if constexpr (BITS == 4)
+          for (int c = 0; c < 8; ++c) _mm512_store_si512(bbuf[h] + 64 * c, v[c]);
+      }
+      const uint8_t* b0 = BITS == 4 ? bbuf[0] : w + g0 * RB;
+      const uint8_t* b1 = BITS == 4 ? bbuf[1] : w + (g0 + 1) * RB;
+      _tile_zero(0);
+      _tile_loadd(1, a.u.data() + t0 * K + g0 * GROUP, K);
+      _tile_loadd(2, b0, 64);
+      _tile_dpbusd(0, 1, 2);
+      if (ng == 2) {
+        _tile_zero(3);
+        _tile_loadd(4, a.u.data() + t0 * K + (g0 + 1) * GROUP, K);
+        _tile_loadd(5, b1, 64);
+        _tile_dpbusd(3, 4, 5);
+      }
+      _tile_stored(0, cbuf[0], 64);
+      if (ng == 2) _tile_stored(3, cbuf[1], 64);
+      for (int64_t h = 0; h < ng; ++h) {
+        const int64_t g = g0 + h;
+        const __m512 d = _mm512_cvtph_ps(
+            _mm256_loadu_si256((const __m256i*)(sp + g * SV * LANES)));
+        const __m512 m = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                         (const __m256i*)(sp + (g * SV + 1) * LANES)))
+                                   : d;
+        for (int r = 0; r < nt; ++r) {
+          const int64_t i = (t0 + r) * G + g;
+          acc[r] = scale_add<BITS>(_mm512_add_epi32(_mm512_load_si512(cbuf[h] + 16 * r), corr[h]),
+                                   a.dx[i], a.xs[i], d, m, acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < nt; ++r) store_row(acc[r], bias, res, y, N, t0 + r, n);
+  }
+}
+#endif
+
+// Rows from which AMX multiplies (below, vpdpbusd); both give every row the same bits. Scratch
+// timing of the embedded target's layer matmuls, int4, interleaved runs: 8 rows 7.9 / 7.6 ms
+// (AMX / vpdpbusd), 10 rows 9.1 / 10.0, 12 rows 9.9 / 11.4, 16 rows 11.1 / 13.6; a record's
+// tile round trip (loads, tdpbusd, store, reload) costs more than 8 rows of vpdpbusd.
+constexpr int64_t AMX_ROWS = 10;
+
+// Panels p0..p1 for all T rows. VNNI: tiles of up to 8 rows, the first streaming a panel from
+// memory, later ones finding it in L1 (a panel is 16 x K/2 bytes at 4 bits). AMX: all rows at once.
 template <int BITS>
 void panel_rows(const QuantRows& a, int64_t T, int64_t K, const uint8_t* w, const uint16_t* s,
                 const float* bias, const float* res, int64_t p0, int64_t p1, float* y,
-                int64_t N) {
-  constexpr int64_t SV = BITS == 4 ? 2 : 1;
+                int64_t N, bool amx) {
+  constexpr int64_t SV = SV_OF(BITS);
   const int64_t G = K / GROUP, PB = BITS * GROUP * LANES / 8 * G;   // bytes per panel
+#ifdef SPECFORK_AMX
+  if (amx) {
+    const TileConfig cfg;
+    _tile_loadconfig(&cfg);
+    for (int64_t p = p0; p < p1; ++p)
+      amx_panel<BITS>(a, T, K, w + p * PB, s + p * G * SV * LANES, bias, res, y, N, p * LANES,
+                      p + 1 < p1);
+    _tile_release();
+    return;
+  }
+#endif
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* wp = w + p * PB;
     const uint16_t* sp = s + p * G * SV * LANES;
@@ -165,7 +281,7 @@ void panel_rows(const QuantRows& a, int64_t T, int64_t K, const uint8_t* w, cons
       const bool pf = t0 == 0 && p + 1 < p1;
       switch (std::min<int64_t>(8, T - t0)) {
 #define SPECFORK_TILE(R) \
-        case R: panel_tile<R, BITS>(a, t0, K, wp, sp, bias, res, y, N, p * LANES, pf); break;
+        case R: vnni_tile<R, BITS>(a, t0, K, wp, sp, bias, res, y, N, p * LANES, pf); break;
         SPECFORK_TILE(1) SPECFORK_TILE(2) SPECFORK_TILE(3) SPECFORK_TILE(4)
         SPECFORK_TILE(5) SPECFORK_TILE(6) SPECFORK_TILE(7) SPECFORK_TILE(8)
 #undef SPECFORK_TILE
@@ -315,11 +431,17 @@ at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const uint16_t* sp = (const uint16_t*)s.data_ptr<at::Half>();
   const int64_t P = N / LANES;
+#ifdef SPECFORK_AMX
+  const char* env = std::getenv("SPECFORK_AMX");            // SPECFORK_AMX=0: vpdpbusd only
+  const bool amx = T >= AMX_ROWS && !(env && env[0] == '0') && amx_ready();
+#else
+  const bool amx = false;
+#endif
   at::parallel_for(0, P, (P + threads - 1) / threads, [&](int64_t p0, int64_t p1) {
     if (bits == 4)
-      panel_rows<4>(a, T, K, wp, sp, bp, rp, p0, p1, yp, N);
+      panel_rows<4>(a, T, K, wp, sp, bp, rp, p0, p1, yp, N, amx);
     else
-      panel_rows<8>(a, T, K, wp, sp, bp, rp, p0, p1, yp, N);
+      panel_rows<8>(a, T, K, wp, sp, bp, rp, p0, p1, yp, N, amx);
   });
   return y;
 #endif
