@@ -28,11 +28,15 @@ from specfork.kernels.tree_attention import (_flash_cpu, tree_attention, tree_at
                                              tree_bias_of)
 
 DECODE, CAUSAL, PAGED, MASKED, CASCADE = "decode", "causal", "paged", "masked", "cascade"
-# Under low-bit weights (model.rows_exact) every matmul rounds to bf16, and under TurboQuant KV
-# a last-bit difference in a key can pick another code: either turns last-bit differences
-# between attention paths into flipped tokens at near-ties; there a verify tree
-# attends row by row exactly as a decode step at that position would (the same keys in the
-# same order through the same op), and decode steps gather their keys in one piece.
+# Under low-bit weights (model.rows_exact) every matmul rounds its input (int8/int4 quantize the
+# rows to 8 bits, where a last-bit change can move a code), and under TurboQuant KV a last-bit
+# difference in a key can pick another code: either turns last-bit differences between
+# attention paths into flipped tokens. There a verify tree attends row by row exactly as a
+# decode step at that position would (the same keys in the same order through the same op),
+# decode steps gather their keys in one piece, and, where the slot op runs, so do a prompt's
+# rows: a prompt then leaves the same K/V and logits however it is cut into chunks or found in
+# the prefix cache (a causal SDPA over the whole prompt and a one-row step after a cached
+# prefix gave logits 0.8 apart under int4's 8-bit activations, and other greedy outputs).
 ROWS = "rows"
 
 # A tree this small over a prefix this short (and not passing its own prefix_mask) attends with
@@ -123,10 +127,12 @@ class AttnMeta:
                          per_query=prefix_mask is not None,
                          plain_write=write is not None and write_src is None)
         exact = getattr(model, "rows_exact", False) and dev.type == "cpu"
-        if exact and not causal and prefix_mask is None:
-            path = ROWS
+        if exact and prefix_mask is None and (not causal or (
+                T > 1 and write is not None and write_src is None and uses_slot_op(model))):
+            path = ROWS                    # prompt rows too: see ROWS
         if path in (DECODE, ROWS) and uses_slot_op(model):
-            rows = [prefix] if path == DECODE else _tree_rows(prefix, tree_mask, write, write_src)
+            rows = ([prefix] if path == DECODE else _causal_rows(prefix, write) if causal
+                    else _tree_rows(prefix, tree_mask, write, write_src))
             if rows is not None:
                 read = torch.cat((prefix, write)) if path == DECODE else prefix
                 return cls(path, L, *_to_device(dev, read, write, write_src),
@@ -321,6 +327,13 @@ def _tree_rows(prefix: torch.Tensor, tree_mask: torch.Tensor, write: torch.Tenso
     node_slot = node_slot.cpu().long()
     return [torch.cat((prefix.cpu().long(), node_slot[torch.nonzero(r).flatten()]))
             for r in tree_mask.cpu()]
+
+
+def _causal_rows(prefix: torch.Tensor, write: torch.Tensor) -> list:
+    """Per prompt row i, the slots a decode step at its position reads: the prefix, then the
+    chain's rows 0..i."""
+    pre, w = prefix.cpu().long(), write.cpu().long()
+    return [torch.cat((pre, w[:i + 1])) for i in range(w.numel())]
 
 
 def _slot_lists(rows: list, own: torch.Tensor | None) -> tuple:

@@ -227,6 +227,34 @@ def test_verify_rows_equal_decode_steps_bit_for_bit(fmt):
     assert all(torch.equal(tree[i], steps[i][0]) for i in range(3))
 
 
+@pytest.mark.parametrize("fmt", LOW)
+def test_a_prompt_gives_the_same_bits_however_it_is_cut(fmt):
+    """Under a low-bit format a prompt's rows attend row by row as decode steps would, so its
+    last row's logits and every K/V row are the same whether the prompt is prefilled whole, in
+    two chunks, or as a prefix (say, from the prefix cache) plus one decode step. (Through the
+    causal SDPA, int4's 8-bit activations turned the paths' last-bit differences into logits
+    0.8 apart on the embedded target.)"""
+    from specfork.attention import AttnMeta
+    from specfork.kv_tree import KVTree
+    m = _tiny_model(fmt, hidden=256)
+    ids = torch.randint(0, 96, (90,), generator=torch.Generator().manual_seed(5))
+    outs = []
+    for cuts in ((90,), (37, 53), (89, 1)):
+        pool = m.make_pool(num_blocks=100)
+        kv = KVTree(pool)
+        B, at = kv.new_branch(), 0
+        for n in cuts:
+            prefix, write = kv.slots(B), kv.append(B, n)
+            lg = m.forward(ids[at:at + n], torch.arange(at, at + n), pool,
+                           AttnMeta.prefill(m, prefix, write), logits_idx=slice(n - 1, n))
+            at += n
+        s = kv.slots(B)
+        outs.append((lg, pool.k[:, s].clone(), pool.v[:, s].clone()))
+    for lg, k, v in outs[1:]:
+        assert torch.equal(lg, outs[0][0]) and torch.equal(k, outs[0][1])
+        assert torch.equal(v, outs[0][2])
+
+
 def test_bad_formats_are_one_line_errors():
     with pytest.raises(SpecforkError, match="unknown format 'int3'"):
         check_weights("int3", "cpu")
