@@ -3,7 +3,8 @@
 Weight-only: activations, norms, attention and the KV cache stay in the model's dtype (fp32 on
 a CPU). A decode step reads the weights once, so bytes per weight is what sets its time:
 
-- bfloat16: 2 bytes; prompt rows take the oneDNN-packed product (AMX where the CPU has it).
+- bfloat16: 2 bytes; without specfork's kernel, the oneDNN-packed product (AMX where the CPU
+  has it).
 - int8: 1 byte + a scale per group of 32 inputs: GGUF's Q8_0 blocks (w = q * d).
 - int4: 0.5 byte + a scale and offset per group of 32 inputs: GGUF's Q4_1 blocks (w = q * d + m).
 
@@ -101,8 +102,8 @@ class QuantLinear:
         if fmt == "bfloat16":
             self.w = w.bfloat16()
             if w.shape[1] % GROUP == 0 and native():
-                self.bits, self.s = 16, torch.empty(0)     # our kernel: decode and tree rows
-            if torch.ops.mkldnn._is_mkldnn_bf16_supported():   # prompt rows (and the rest)
+                self.bits, self.s = 16, torch.empty(0)     # our kernel: every row
+            elif torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.w, 8)
         elif fmt == "int8":
             self.w, self.s = quantize_int8(w, absmax)
@@ -119,9 +120,10 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor, bulk: bool = False) -> torch.Tensor:
         """Our kernel (`bits`) and torch's int8/int4 ones give a row the same bits in any call;
         the packed bf16 one only within calls of one size, so where it serves rows other than
-        prompt rows (`bulk`: no AVX-512 here) they go through it in EXACT_ROWS-row calls. With
-        our kernel, bf16 prompt rows take the packed product (AMX), the rest our kernel."""
-        if self._ours(bulk):
+        prompt rows (`bulk`: no AVX-512 here) they go through it in EXACT_ROWS-row calls. Our
+        kernel takes prompt rows too (bf16 as well), so a prompt's rows get the bits a decode
+        step would, however the prompt is chunked or cached."""
+        if self._ours():
             return torch.ops.specfork.lowbit_linear(x, self.w, self.s, self.bits, self.b, None)
         xb = x.to(torch.bfloat16)           # torch's kernels take bf16 rows
         if self.fmt == "bfloat16":
@@ -141,13 +143,13 @@ class QuantLinear:
 
     def add_to(self, x: torch.Tensor, a: torch.Tensor, bulk: bool = False) -> torch.Tensor:
         """x + self(a) (the residual add)."""
-        if self._ours(bulk):
+        if self._ours():
             return torch.ops.specfork.lowbit_linear(a, self.w, self.s, self.bits, self.b, x)
         return self(a, bulk).add_(x)
 
-    def _ours(self, bulk: bool) -> bool:
-        """Whether specfork's kernel multiplies these rows (bf16 prompt rows go to oneDNN)."""
-        return bool(self.bits) and not (bulk and self.bits == 16 and self.packed is not None)
+    def _ours(self) -> bool:
+        """Whether specfork's kernel multiplies these rows (all of them where it runs)."""
+        return bool(self.bits)
 
     @property
     def nbytes(self) -> int:
