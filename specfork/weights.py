@@ -12,9 +12,8 @@ Two kernels. Where the CPU has AVX-512 with VNNI, specfork's own (`kernels/lowbi
 weights in panels of 16 outputs holding d and m float16, as GGUF stores them, so weights that
 came from Q8_0 / Q4_1 blocks are found again exactly (the embedded target's Q4_1 layers and its
 Q8_0 output layer: under int4 it multiplies by the file's own weights); activations quantized per
-row to 8 bits per group of 32 as llama.cpp does (`quantize_activations`: +0.4% perplexity on the
-embedded target under int4, 8.392 against float32's 8.357 on bench_kv_quant's six held-out
-texts), which lets integer dot products (vpdpbusd) replace dequantizing every weight; residual
+row to 8 bits per group of 32 as llama.cpp does (`quantize_activations`; the embedded target's
+perplexity under int4 against float32 is in results/cpu_engines.md), which lets integer dot products (vpdpbusd) replace dequantizing every weight; residual
 add and bias fused; bf16 weights too (float32 activations; decode and tree rows). Elsewhere
 torch's (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`): bf16 activations, int8 per
 output channel (s = absmax / 127), and for int4 w = (q - 8) * s + z with s = d and z = m + 8 d

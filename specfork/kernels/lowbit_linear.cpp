@@ -13,11 +13,11 @@
 // rows (a verify tree, a batch) AMX's tdpbusd multiplies 16 rows by a record at once (where the
 // CPU and the kernel allow it; SPECFORK_AMX=0: off); its integers are vpdpbusd's, and every row
 // then ends with the same float ops. Weights are held in panels of 16 outputs (weights.py's
-// pack_q4 / pack_q8), one output per float32 lane, so no horizontal sum is left at the end. Residual add and bias are fused. (An earlier kernel
-// here dequantized every weight to float32 per tile of 4 rows: one row ran at 0.47 of the
-// bandwidth and 16 rows cost 5.9 one-row calls.) bf16 weights take float32 FMAs over rows and
-// outputs (bf16 dot products, `vdpbf16ps`, measured slower on the Sapphire Rapids here: one per
-// ~3.5 cycles against a float32 FMA per cycle).
+// pack_q4 / pack_q8), one output per float32 lane, so no horizontal sum is left at the end.
+// Residual add and bias are fused. (An earlier kernel here dequantized every weight to float32
+// per tile of 4 rows: one row ran at 0.47 of the bandwidth.) bf16 weights take float32 FMAs
+// over rows and outputs (bf16 dot products, `vdpbf16ps`, measured slower on the Sapphire Rapids
+// here: one per ~3.5 cycles against a float32 FMA per cycle).
 //
 // Every (row, output) is computed by the same instructions in the same order whatever the row
 // count, the row's place in the call or the thread split (threads split the outputs), so a
@@ -151,16 +151,17 @@ void vnni_tile(const QuantRows& a, int64_t t0, int64_t K, const uint8_t* w, cons
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wg = w + g * RB;
     if (prefetch)                                   // 8 groups ahead in the panel stream
-      for (int64_t l = 0; l < RB; l += 64) _mm_prefetch((const char*)(wg + 8 * RB + l), _MM_HINT_T0);
+      for (int64_t l = 0; l < RB; l += 64)
+        _mm_prefetch((const char*)(wg + 8 * RB + l), _MM_HINT_T0);
     __m512i v[8];
     const __m512i corr = record<BITS>(wg, v);
     __m512i is[NT];
     for (int r = 0; r < NT; ++r) is[r] = corr;
     for (int c = 0; c < 8; ++c)
-      for (int r = 0; r < NT; ++r)
-        is[r] = _mm512_dpbusd_epi32(
-            is[r], _mm512_set1_epi32(*(const int32_t*)(a.u.data() + (t0 + r) * K + g * GROUP + 4 * c)),
-            v[c]);
+      for (int r = 0; r < NT; ++r) {
+        const uint8_t* xu = a.u.data() + (t0 + r) * K + g * GROUP + 4 * c;   // 4 activations
+        is[r] = _mm512_dpbusd_epi32(is[r], _mm512_set1_epi32(*(const int32_t*)xu), v[c]);
+      }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + g * SV * LANES)));
     const __m512 m = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256(
                                      (const __m256i*)(sp + (g * SV + 1) * LANES)))
