@@ -266,8 +266,9 @@ class DraftController:
         # Off after a step that taught nothing good (no shadow drafter would have had a
         # token accepted): every plan's expected gain only fell, so off stays best and the
         # search (a tenth of a ms, a few % of a fast low-bit step) is skipped, up to REPLAN
-        # steps in a row
-        if ctx is None and not forced and self.quiet and self.quiet_run < REPLAN:
+        # steps in a row, where the request has the step to itself (in a batch the others'
+        # rows change what a tree costs)
+        if alone and not forced and self.quiet and self.quiet_run < REPLAN:
             self.quiet_run += 1
             best_depths, best_e = [0] * len(self.drafters), 0.0
         else:

@@ -244,8 +244,12 @@ class _Stats:
         self.tree_nodes = 0
         self.accepted_nodes = 0
 
-    def record(self, tree: TokenTree, path: list[int]) -> None:
+    def record(self, tree: TokenTree | None, path: list[int]) -> None:
+        """A drafting request's step: `tree` verified (None: an off step, no tree), `path`
+        the nodes accepted."""
         self.steps += 1
+        if tree is None:
+            return
         self.tree_steps += len(tree.tokens) > 1
         self.tree_nodes += len(tree.tokens) - 1
         self.accepted_nodes += len(path) - 1

@@ -142,6 +142,10 @@ class Request:
         """A verify tree of `paths` after the context: one CoW fork of the branch per path
         (a failure, such as a full pool, frees them). With fewer than the tree's slots (plus
         a CoW copy per fork) `room` blocks free, the step verifies nothing: a decode step."""
+        if not paths:                  # speculation off this step: a decode step, no tree
+            rows = self.plan_decode(model, kv)
+            rows.depths, rows.props, rows.secs = depths, props, secs
+            return rows
         B, n, dev = self.branch, self.branch.length, model.device
         tree = TokenTree.build(self.out[-1], paths, self.tree_budget)
         leaves = tree.leaf_paths() if len(tree) > 1 else []
@@ -253,13 +257,13 @@ class Request:
             if feats is not None:              # rows up to b - 1: their successors are known
                 self._hand_features((self.tokens + new)[:b + 1], feats)
             return self._emit(new, logits[-1:]) if new else []
-        if rows.kind == "decode" and rows.tree is None:
+        if rows.kind == "decode" and not rows.depths:         # plain decoding
             new = [pick(logits[0], self.sp)]
             if feats is not None:
                 self._hand_features(self.tokens + new, feats)
             return self._emit(new, logits[:1])
-        tree = rows.tree
-        if len(tree) == 1:
+        tree = rows.tree                       # None: a drafting request's off step
+        if tree is None or len(tree) == 1:
             path, nxt = [0], pick(logits[0], self.sp)
         elif self.sp.greedy:
             path, nxt = verify_greedy(tree, logits)
@@ -275,7 +279,7 @@ class Request:
             kv.adopt(self.branch, rows.forks[keep])
         if self.stats is not None:
             self.stats.record(tree, path)
-        emitted = [int(tree.tokens[i]) for i in path[1:]] + [nxt]
+        emitted = [int(tree.tokens[i]) for i in path[1:]] + [nxt] if tree is not None else [nxt]
         context = self.tokens
         secs = rows.secs
         for i, d in enumerate(self.drafters):
@@ -295,7 +299,7 @@ class Request:
             # (verify, free, adopt), less the drafting it costs per drafter
             spent = step_s + (time.perf_counter() - t_commit) - sum(secs)
             self.controller.update(rows.depths, rows.props, secs, emitted, step_rows, spent,
-                                   len(tree) > 1)
+                                   tree is not None and len(tree) > 1)
         return self._emit(emitted, logits, path)
 
     def _hand_features(self, context: list[int], feats: torch.Tensor) -> None:

@@ -287,6 +287,27 @@ def test_adaptive_decoder_stays_exact_and_switches_a_useless_drafter_off():
     assert len(r.stats["adaptive"]["depth"]["0:oracle"]) == r.stats["spec_steps"]
 
 
+def test_a_lone_request_skips_the_plan_search_while_off_and_quiet(monkeypatch):
+    """A request alone on the engine, off because its drafter proposes nothing: the steps that
+    teach nothing skip the plan search (at most REPLAN in a row), as they do for a controller
+    driven directly, and the output stays HF greedy."""
+    hf = _tiny()
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    dec = SpecDecoder(Model(hf), None, [Scripted("mute", lambda ctx: [])], num_paths=1,
+                      draft_len=3, eos_token_ids=[], adaptive=True, max_kv_tokens=128)
+    dec.controller.cost = _fixed()
+    searched = []
+    best = DraftController._best
+    monkeypatch.setattr(DraftController, "_best",
+                        lambda self, *a: searched.append(1) or best(self, *a))
+    r = dec.generate(prompt, max_new_tokens=48)
+    assert r.token_ids == _greedy_ref(hf, prompt, 48)
+    off = r.stats["adaptive"]["off_steps"]
+    assert off >= 16
+    assert len(searched) <= r.stats["spec_steps"] - off + off // (adaptive.REPLAN + 1) + 2, \
+        len(searched)
+
+
 def test_calibration_times_every_size_and_frees_its_blocks():
     model = Model(_tiny())
     kv = KVTree(model.make_pool(num_blocks=64, block_size=16))
