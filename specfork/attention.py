@@ -131,13 +131,15 @@ class AttnMeta:
                 T > 1 and write is not None and write_src is None and uses_slot_op(model))):
             path = ROWS                    # prompt rows too: see ROWS
         if path in (DECODE, ROWS) and uses_slot_op(model):
-            rows = ([prefix] if path == DECODE else _causal_rows(prefix, write) if causal
+            if path == DECODE:             # the prefix, then its own slot: one list for both
+                read = torch.cat((prefix, write)).long()
+                return cls(path, L, read, write, slots=(read, torch.tensor([0, L + 1])))
+            rows = (_causal_rows(prefix, write) if causal
                     else _tree_rows(prefix, tree_mask, write, write_src))
             if rows is not None:
-                read = torch.cat((prefix, write)) if path == DECODE else prefix
-                return cls(path, L, *_to_device(dev, read, write, write_src),
+                return cls(path, L, *_to_device(dev, prefix, write, write_src),
                            tree_mask=tree_mask, bulk=causal and T > 1,
-                           slots=_slot_lists(rows, write if path == DECODE else None))
+                           slots=_slot_lists(rows))
         run = None
         if dev.type == "cpu" and path in (DECODE, CASCADE) and L >= RUN_MIN and not exact and (
                 path == DECODE or _flash_cpu is not None):
@@ -336,11 +338,8 @@ def _causal_rows(prefix: torch.Tensor, write: torch.Tensor) -> list:
     return [torch.cat((pre, w[:i + 1])) for i in range(w.numel())]
 
 
-def _slot_lists(rows: list, own: torch.Tensor | None) -> tuple:
-    """(idx, offs) int64 on the CPU: row r reads idx[offs[r]:offs[r+1]]; `own` (decode) is
-    the new token's slot, read last."""
-    if own is not None:
-        rows = [torch.cat((rows[0].cpu().long(), own.cpu().long()))]
+def _slot_lists(rows: list) -> tuple:
+    """(idx, offs) int64 on the CPU: row r reads idx[offs[r]:offs[r+1]]."""
     offs = torch.tensor([0] + [r.numel() for r in rows]).cumsum(0)
     return torch.cat(rows), offs
 

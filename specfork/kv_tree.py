@@ -294,6 +294,8 @@ class KVTree:
     def _slots(self, br: Branch, start: int, end: int) -> torch.Tensor:
         """Slots of positions [start, end) among `br`'s own blocks (only those are converted)."""
         bs, first = self.bs, br.base // self.bs
+        if bs == 1:                                      # a block is a slot
+            return torch.tensor(br.blocks[start - first:end - first], dtype=torch.long)
         lo = start // bs - first
         own = torch.tensor(br.blocks[lo:-(-end // bs) - first], dtype=torch.long)
         pos = torch.arange(start, end)

@@ -254,6 +254,9 @@ class Model:
         self.embed = body.embed_tokens.weight
         self.norm = body.norm.weight
         self.rotary = body.rotary_emb
+        rope_type = str(getattr(self.rotary, "rope_type", "default"))
+        self._rope_dynamic = "dynamic" in rope_type or rope_type == "longrope"
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None    # CPU: `rope`'s table
         self.dtype, self.device = self.embed.dtype, self.embed.device
 
         self.kv_cache = kv_cache
@@ -397,7 +400,25 @@ class Model:
                          device=self.device, codecs=self.kv_codecs)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_tables(self.rotary, self.embed, positions)
+        """cos, sin_signed `[T, 1, D]` at `positions`. On a CPU, rows of a table that grows
+        by doubling: HF's rotary module is a dozen small ops a step, and its values are
+        elementwise in the position, so a table row equals the module's output for that
+        position alone (RoPE types whose frequencies follow the sequence length, dynamic NTK
+        and LongRoPE, keep the module)."""
+        T = positions.shape[0]
+        if positions.device.type != "cpu" or self._rope_dynamic or T == 0:
+            return rope_tables(self.rotary, self.embed, positions)
+        p0 = int(positions[0])
+        last = p0 if T == 1 else int(positions.max())
+        n = 0 if self._rope is None else self._rope[0].shape[0]
+        if last >= n:
+            cos, sin = rope_tables(self.rotary, self.embed,
+                                   torch.arange(n, max(2 * n, last + 1, 256)))
+            self._rope = (cos, sin) if self._rope is None else (
+                torch.cat((self._rope[0], cos)), torch.cat((self._rope[1], sin)))
+        if T == 1:                                   # a decode step: views, no copy
+            return self._rope[0][p0:p0 + 1], self._rope[1][p0:p0 + 1]
+        return self._rope[0][positions], self._rope[1][positions]
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, pool: BlockPool,

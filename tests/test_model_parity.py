@@ -138,3 +138,26 @@ def test_panel_matmul_is_row_invariant_and_runs_the_layer_loop_too(monkeypatch):
     want = _prefill_then_decode(m, ids, 5)                  # decode steps: the compiled loop
     monkeypatch.setenv("SPECFORK_LAYER_STACK", "0")
     assert torch.equal(_prefill_then_decode(m, ids, 5), want)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0,
+                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 64}])
+def test_rope_table_rows_are_the_rotary_modules_values(scaling):
+    """`Model.rope` reads a table that grows by doubling: every row equals, bit for bit, what
+    HF's rotary module gives for that position alone (a decode step) and for a whole prompt,
+    before and after the table grows, with Llama 3.1's frequency scaling too."""
+    from specfork.model import rope_tables
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      rope_scaling=scaling)
+    m = Model(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval())
+    for pos in ([5], list(range(40)), [300], [1000, 7, 2047], [3000], [255, 256, 257]):
+        p = torch.tensor(pos)
+        got = m.rope(p)
+        for i, q in enumerate(pos):
+            want = rope_tables(m.rotary, m.embed, torch.tensor([q]))
+            assert torch.equal(got[0][i], want[0][0]) and torch.equal(got[1][i], want[1][0])
+        want = rope_tables(m.rotary, m.embed, p)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
