@@ -22,10 +22,52 @@
 
 #include "vec_math.h"
 
-// s[j] = scale * q . k_j for the G query heads sharing one kv head; D a multiple of 16.
+// The sums of 16 vectors' lanes, each in _mm512_reduce_add_ps's order (lanes i + 8, then
+// i + 4, i + 2, then the last pair; GCC's avx512fintrin.h), so a score has the same bits as
+// one reduced alone: lane t of the result is a[t]'s sum. 45 shuffles and adds instead of 16
+// reductions of 8 dependent steps each.
+static inline __m512 reduce16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int m = 0; m < 8; ++m)            // lanes i + 8: key 2m in lanes 0-7, key 2m+1 in 8-15
+    b[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int p = 0; p < 4; ++p)            // lanes i + 4: 128-bit chunk t holds key 4p + t
+    c[p] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int q = 0; q < 2; ++q)            // lanes i + 2: chunk t holds keys 8q + t, 8q + 4 + t
+    d[q] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * q], c[2 * q + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(c[2 * q], c[2 * q + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // lane 4c + t of e holds key 4t + c
+  return _mm512_permutexvar_ps(
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), e);
+}
+
+// s[j] = scale * q . k_j for the G query heads sharing one kv head; D a multiple of 16. Keys
+// go 16 at a time (their products summed together by reduce16), the rest one by one; either
+// way a score gets the same bits.
 static void scores(const float* q, int G, int64_t qstride, const float* k, int64_t kstride,
                    const int64_t* ix, int64_t n, int D, float scale, float* s) {
-  for (int64_t j = 0; j < n; ++j) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const float* kr[16];
+    for (int t = 0; t < 16; ++t) kr[t] = k + ix[j + t] * kstride;
+    for (int g = 0; g < G; ++g) {
+      const float* qg = q + g * qstride;
+      __m512 acc[16];
+      const __m512 q0 = _mm512_loadu_ps(qg);
+      for (int t = 0; t < 16; ++t) acc[t] = _mm512_mul_ps(q0, _mm512_loadu_ps(kr[t]));
+      for (int d = 16; d < D; d += 16) {
+        const __m512 qd = _mm512_loadu_ps(qg + d);
+        for (int t = 0; t < 16; ++t)
+          acc[t] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kr[t] + d), acc[t]);
+      }
+      _mm512_storeu_ps(s + g * n + j, _mm512_mul_ps(reduce16(acc), sc));
+    }
+  }
+  for (; j < n; ++j) {
     const float* kr = k + ix[j] * kstride;
     for (int g = 0; g < G; ++g) {
       const float* qg = q + g * qstride;
