@@ -28,6 +28,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
     ("bench_long", ["--buckets", "<=256,huge"], "--buckets: unknown ['huge']"),
     ("bench_prefill", ["--lengths", "100,x"], "--lengths: not a list of integers"),
     ("bench_prefill", ["--steps", "0"], "must be positive"),
+    ("bench_prefill", ["--weights", "int3"], "--weights: unknown format 'int3'"),
     ("bench_cpu", ["--formats", "float32,int3"], "--formats: unknown ['int3']"),
     ("bench_cpu", ["--drafts", "0"], "must be positive"),
     ("bench_cpu", ["--reps", "0"], "must be positive"),
@@ -108,6 +109,22 @@ def test_bench_prefill_end_to_end(tmp_path):
         assert set(r["prefill_s"]) == {"hf", "causal_sdpa", "cascade"}
         assert set(r["decode_step_ms"]) == {"hf", "run_view", "gathered"}
         assert all(v > 0 for v in (*r["prefill_s"].values(), *r["decode_step_ms"].values()))
+
+
+def test_bench_prefill_low_bit(tmp_path):
+    """Under --weights int8 bench_prefill times the engine as it runs beside HF fp32 (no
+    identity claimed) and says which format it ran."""
+    out = tmp_path / "prefill.json"
+    args = ["--lengths", "40", "--steps", "3", "--reps", "1", "--weights", "int8",
+            "--json", str(out)]
+    p = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_prefill.py"), *args],
+                       capture_output=True, text=True, timeout=600, env=ENV)
+    assert p.returncode == 0, p.stderr
+    res = json.loads(out.read_text())
+    assert res["weights"] == "int8" and res["all_equal_hf"] is None
+    (r,) = res["rows"]
+    assert set(r["prefill_s"]) == set(r["decode_step_ms"]) == {"hf", "ours"}
+    assert r["prefill_vs_hf"] > 0 and r["decode_step_ms"]["ours"] > 0
 
 
 @pytest.mark.slow
