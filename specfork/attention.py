@@ -295,17 +295,26 @@ def uses_slot_op(model) -> bool:
     turning the op off there did not cure it)."""
     codecs = getattr(model, "kv_codecs", None)
     return (model.device.type == "cpu" and model.dtype == torch.float32
-            and (codecs is None or all(getattr(c, "cpu_program", lambda: None)() is not None
+            and (codecs is None or all(half_slots(c) or getattr(c, "cpu_program",
+                                                                lambda: None)() is not None
                                        for c in codecs[0]))
             and getattr(model, "world", 1) == 1
             and slot_op.available(model.head_dim))
 
 
+def half_slots(codec) -> bool:
+    """A float16 KV format (`FloatCodec`): the slot op reads its rows as stored, widening
+    each to float32 exactly (float32 queries and arithmetic, as over a float32 pool)."""
+    return getattr(codec, "store_dtype", None) == torch.float16 and not codec.rotated
+
+
 def slot_attend(q: torch.Tensor, k_slots, v_slots, slots: tuple, scale: float) -> torch.Tensor:
-    """The slot op over a layer's pool: float slots, or `StoredSlots` of TurboQuant rows that
-    the op decodes as it reads them."""
+    """The slot op over a layer's pool: float slots, float16 ones it widens as it reads, or
+    `StoredSlots` of TurboQuant rows that the op decodes as it reads them."""
     if isinstance(k_slots, torch.Tensor):
         return slot_op.slot_attention(q, k_slots, v_slots, *slots, scale)
+    if half_slots(k_slots.codec):
+        return slot_op.slot_attention(q, k_slots.raw, v_slots.raw, *slots, scale)
     return slot_op.code_attention(q, k_slots.raw, v_slots.raw, *slots, scale,
                                   *k_slots.codec.cpu_program(), *v_slots.codec.cpu_program())
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specfork.attention import AttnMeta
+from specfork.attention import AttnMeta, half_slots
 from specfork.errors import SpecforkError
 from specfork.kv_quant import StoredSlots, layer_codecs
 from specfork.kv_tree import BlockPool
@@ -354,11 +354,13 @@ class Model:
         """The slot lists (idx, offs) when every row of this forward attends through the slot
         op (decode steps, ROWS trees, batches of only those): its layer loop then runs as one
         compiled op, `kernels/layer_stack.cpp`, which makes the same ATen calls as the loop
-        below (same bits) without the interpreter between them. Float pools only: a coded pool
-        takes the loop below, which codes each layer's new rows. SPECFORK_LAYER_STACK=0: off."""
+        below (same bits) without the interpreter between them. Float pools only (float16 too: it
+        rounds the new rows as the loop's FloatCodec does); a TurboQuant pool takes the loop
+        below, which codes each layer's new rows. SPECFORK_LAYER_STACK=0: off."""
         groups = getattr(meta, "groups", None)
         slots = (groups[0][2] if len(groups) == 1 else None) if groups is not None else meta.slots
-        if slots is None or meta.write is None or self.kv_codecs is not None or os.environ.get(
+        coded = self.kv_codecs is not None and not all(half_slots(c) for c in self.kv_codecs[0])
+        if slots is None or meta.write is None or coded or os.environ.get(
                 "SPECFORK_LAYER_STACK") == "0":
             return None
         return slots

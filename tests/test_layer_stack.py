@@ -77,6 +77,22 @@ def test_decode_steps_match_the_python_loop_bit_for_bit(monkeypatch, fmt, hidden
     assert not _equal(on[0], _decode(tiny_model(fmt, hidden=96))[0])     # not vacuous
 
 
+@pytest.mark.parametrize("fmt", ["float32", "int4"])
+def test_a_float16_kv_pool_runs_through_the_op_as_the_loop(monkeypatch, fmt):
+    """`--kv-cache float16`: the compiled loop rounds each new K/V row to the pool's float16
+    as the Python loop's codec does, and both read it back through the slot op: the same
+    logits and stored K/V, bit for bit, every decode step in the op."""
+    from specfork.attention import uses_slot_op
+    m = tiny_model(fmt, kv_cache="float16", hidden=_low(fmt))
+    assert uses_slot_op(m) and m.rows_exact
+    calls = _runs(monkeypatch)
+    on = _decode(m)
+    assert calls == [40] + [1] * 6 and on[2].dtype == torch.float16
+    monkeypatch.setenv("SPECFORK_LAYER_STACK", "0")
+    assert _equal(on, _decode(m))
+    assert not _equal(on[0], _decode(tiny_model(fmt, hidden=_low(fmt)))[0])  # fp32 K/V differs
+
+
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])
 def test_rows_trees_match_the_python_loop_and_the_decode_steps(monkeypatch, fmt):
     """A ROWS verify tree over two CoW forks (a node written twice) through the op equals the

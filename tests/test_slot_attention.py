@@ -44,6 +44,23 @@ def test_rows_equal_torch_attention_and_each_alone(case):
 
 
 @settings(max_examples=40, deadline=None)
+@given(_case())
+def test_float16_pools_give_the_float32_ops_bits_over_them_widened(case):
+    """A float16 pool (`--kv-cache float16`) is read as stored and widened exactly: the op
+    over it equals, bit for bit, the op over the same values held as float32."""
+    kvh, g, d, lens, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    S = 200
+    k = torch.randn(S, kvh, d, generator=gen).half()
+    v = torch.randn(S, kvh, d, generator=gen).half()
+    q = torch.randn(len(lens), kvh * g, d, generator=gen) * 3
+    idx = torch.cat([torch.randint(0, S, (n,), generator=gen) for n in lens])
+    offs = torch.tensor([0] + lens).cumsum(0)
+    got = op.slot_attention(q, k, v, idx, offs, d ** -0.5)
+    assert torch.equal(got, op.slot_attention(q, k.float(), v.float(), idx, offs, d ** -0.5))
+
+
+@settings(max_examples=40, deadline=None)
 @given(_case(), st.sampled_from([4.0, 3.5, 3.0, 2.5]))
 def test_code_rows_equal_torch_attention_over_their_decode(case, rate):
     """`code_attention` over TurboQuant rows (keys and values at their own rates, as

@@ -187,8 +187,11 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> layer_stack(
     }
     auto v = qkv.slice(1, nqk, qkv.size(1)).view({T, KVH, D});
     auto kf = k_pool.select(0, i).view({-1, KVH, D}), vf = v_pool.select(0, i).view({-1, KVH, D});
-    kf.index_copy_(0, write, write_src ? k.index_select(0, *write_src) : k);
-    vf.index_copy_(0, write, write_src ? v.index_select(0, *write_src) : v);
+    // a float16 pool stores the rows rounded (as FloatCodec.encode), and every read sees that
+    const auto kw = write_src ? k.index_select(0, *write_src) : k;
+    const auto vw = write_src ? v.index_select(0, *write_src) : v;
+    kf.index_copy_(0, write, kw.to(kf.scalar_type()));
+    vf.index_copy_(0, write, vw.to(vf.scalar_type()));
     auto a = slot_attention(q, kf, vf, idx, offs, scale);
     x = add_to(o_l, x, a.reshape({T, nq}));
     auto gu = apply(gu_l, norm(x, norms[2 * i + 1]));
