@@ -305,7 +305,7 @@ def uses_slot_op(model) -> bool:
 def half_slots(codec) -> bool:
     """A float16 KV format (`FloatCodec`): the slot op reads its rows as stored, widening
     each to float32 exactly (float32 queries and arithmetic, as over a float32 pool)."""
-    return getattr(codec, "store_dtype", None) == torch.float16 and not codec.rotated
+    return getattr(codec, "store_dtype", None) == torch.float16
 
 
 def slot_attend(q: torch.Tensor, k_slots, v_slots, slots: tuple, scale: float) -> torch.Tensor:
