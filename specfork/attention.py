@@ -89,7 +89,9 @@ class AttnMeta:
     #                                           then holds only the slots after it
     bulk: bool = False                        # prompt rows only (a causal chain of > 1 token)
     slots: tuple | None = None                # CPU decode / ROWS through the slot op: (idx,
-    #                                           offs), row r reads idx[offs[r]:offs[r+1]]
+    #                                           offs), offs [R+1] (row r reads idx[offs[r] :
+    #                                           offs[r+1]]) or [R, 4] (a, b, c, d: idx[a:b],
+    #                                           then idx[c:d]; rows share one list)
 
     @classmethod
     def prefill(cls, model, prefix: torch.Tensor, write: torch.Tensor) -> "AttnMeta":
@@ -134,12 +136,11 @@ class AttnMeta:
             if path == DECODE:             # the prefix, then its own slot: one list for both
                 read = torch.cat((prefix, write)).long()
                 return cls(path, L, read, write, slots=(read, torch.tensor([0, L + 1])))
-            rows = (_causal_rows(prefix, write) if causal
-                    else _tree_rows(prefix, tree_mask, write, write_src))
-            if rows is not None:
+            slots = (_causal_rows(prefix, write) if causal
+                     else _tree_rows(prefix, tree_mask, write, write_src))
+            if slots is not None:
                 return cls(path, L, *_to_device(dev, prefix, write, write_src),
-                           tree_mask=tree_mask, bulk=causal and T > 1,
-                           slots=_slot_lists(rows))
+                           tree_mask=tree_mask, bulk=causal and T > 1, slots=slots)
         run = None
         if dev.type == "cpu" and path in (DECODE, CASCADE) and L >= RUN_MIN and not exact and (
                 path == DECODE or _flash_cpu is not None):
@@ -282,9 +283,19 @@ def _merge_slots(parts: list) -> tuple:
     """Several (idx, offs) slot lists as one, rows in order."""
     if len(parts) == 1:
         return parts[0]
-    base = torch.tensor([0] + [int(o[-1]) for _, o in parts[:-1]]).cumsum(0)
-    return (torch.cat([i for i, _ in parts]),
-            torch.cat([parts[0][1][:1]] + [o[1:] + b for (_, o), b in zip(parts, base)]))
+    base = torch.tensor([0] + [i.numel() for i, _ in parts[:-1]]).cumsum(0)
+    idx = torch.cat([i for i, _ in parts])
+    if all(o.dim() == 1 for _, o in parts):
+        return idx, torch.cat([parts[0][1][:1]] + [o[1:] + b for (_, o), b in zip(parts, base)])
+    return idx, torch.cat([_ranges(o) + b for (_, o), b in zip(parts, base)])
+
+
+def _ranges(offs: torch.Tensor) -> torch.Tensor:
+    """Slot offsets in the [R, 4] form (a, b, c, d)."""
+    if offs.dim() == 2:
+        return offs
+    z = torch.zeros_like(offs[1:])
+    return torch.stack((offs[:-1], offs[1:], z, z), dim=1)
 
 
 def uses_slot_op(model) -> bool:
@@ -320,9 +331,10 @@ def slot_attend(q: torch.Tensor, k_slots, v_slots, slots: tuple, scale: float) -
 
 
 def _tree_rows(prefix: torch.Tensor, tree_mask: torch.Tensor, write: torch.Tensor | None,
-               write_src: torch.Tensor | None) -> list | None:
-    """Per tree row, the slots it reads: the prefix, then the slots its ancestors and itself
-    are written to (a node written to several forks: its first). None without writes."""
+               write_src: torch.Tensor | None) -> tuple | None:
+    """The slots each tree row reads, as (idx, offs [T, 4]): the prefix (one list every row
+    shares), then the slots its ancestors and itself are written to (a node written to several
+    forks: its first). None without writes."""
     if write is None:
         return None
     T = tree_mask.shape[0]
@@ -335,22 +347,23 @@ def _tree_rows(prefix: torch.Tensor, tree_mask: torch.Tensor, write: torch.Tenso
         if len(first) < T:
             return None
         node_slot = write.cpu()[torch.tensor([first[t] for t in range(T)])]
-    node_slot = node_slot.cpu().long()
-    return [torch.cat((prefix.cpu().long(), node_slot[torch.nonzero(r).flatten()]))
-            for r in tree_mask.cpu()]
+    node_slot, pre = node_slot.cpu().long(), prefix.cpu().long()
+    mask = tree_mask.cpu()
+    L, n = pre.numel(), mask.sum(1)                               # n[i]: row i's tree slots
+    ends = L + n.cumsum(0)
+    offs = torch.stack((torch.zeros_like(n), torch.full_like(n, L), ends - n, ends), dim=1)
+    cols = torch.arange(T).expand(T, T)[mask]                     # row by row, in order
+    return torch.cat((pre, node_slot[cols])), offs
 
 
-def _causal_rows(prefix: torch.Tensor, write: torch.Tensor) -> list:
-    """Per prompt row i, the slots a decode step at its position reads: the prefix, then the
-    chain's rows 0..i."""
+def _causal_rows(prefix: torch.Tensor, write: torch.Tensor) -> tuple:
+    """Prompt rows as (idx, offs [T, 4]): row i reads what a decode step at its position reads,
+    the prefix, then the chain's rows 0..i, all stretches of one list."""
     pre, w = prefix.cpu().long(), write.cpu().long()
-    return [torch.cat((pre, w[:i + 1])) for i in range(w.numel())]
-
-
-def _slot_lists(rows: list) -> tuple:
-    """(idx, offs) int64 on the CPU: row r reads idx[offs[r]:offs[r+1]]."""
-    offs = torch.tensor([0] + [r.numel() for r in rows]).cumsum(0)
-    return torch.cat(rows), offs
+    L, T = pre.numel(), w.numel()
+    ends = torch.arange(L + 1, L + T + 1)
+    z = torch.zeros_like(ends)
+    return torch.cat((pre, w)), torch.stack((z, ends, z, z), dim=1)
 
 
 def _kernel_layout(codec, q: torch.Tensor):

@@ -88,6 +88,64 @@ def test_code_rows_equal_torch_attention_over_their_decode(case, rate):
         assert torch.equal(alone[0], out[r])
 
 
+@st.composite
+def _shared_case(draw):
+    """Rows that share one list: a prompt chunk's causal rows, or tree rows over one prefix
+    each followed by its own ancestors' slots (offs [R, 4])."""
+    kvh, g = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    d = draw(st.sampled_from([16, 64, 128, 24]))
+    L, T = draw(st.integers(0, 70)), draw(st.integers(1, 12))
+    return kvh, g, d, L, T, draw(st.booleans()), draw(st.integers(0, 2 ** 16))
+
+
+def _shared_rows(L, T, causal, gen, S=200):
+    """(idx, offs [T, 4], per-row lists) for causal prompt rows or tree rows over L slots."""
+    pre = torch.randint(0, S, (L,), generator=gen)
+    if causal:
+        w = torch.randint(0, S, (T,), generator=gen)
+        offs = torch.tensor([[0, L + i + 1, 0, 0] for i in range(T)])
+        return torch.cat((pre, w)), offs, [torch.cat((pre, w[:i + 1])) for i in range(T)]
+    tails = [torch.randint(0, S, (int(n),), generator=gen)
+             for n in torch.randint(0 if L else 1, 6, (T,), generator=gen)]
+    ends = L + torch.tensor([t.numel() for t in tails]).cumsum(0)
+    offs = torch.stack((torch.zeros(T, dtype=torch.long), torch.full((T,), L),
+                        ends - torch.tensor([t.numel() for t in tails]), ends), dim=1)
+    return torch.cat([pre] + tails), offs, [torch.cat((pre, t)) for t in tails]
+
+
+@settings(max_examples=60, deadline=None)
+@given(_shared_case(), st.booleans())
+def test_rows_sharing_one_list_compute_each_rows_own_bits(case, half):
+    """Rows that read stretches of one list (offs [R, 4]; from 2 rows with 16 slots each they
+    score it through one transposed copy of its keys) give, bit for bit, what each row gives
+    alone over its own list, and torch's attention within rounding."""
+    kvh, g, d, L, T, causal, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    S = 200
+    k, v = torch.randn(S, kvh, d, generator=gen), torch.randn(S, kvh, d, generator=gen)
+    if half:
+        k, v = k.half(), v.half()
+    q = torch.randn(T, kvh * g, d, generator=gen) * 3
+    idx, offs, lists = _shared_rows(L, T, causal, gen, S)
+    out = op.slot_attention(q, k, v, idx, offs, d ** -0.5)
+    torch.testing.assert_close(out, op.slot_attention_ref(q, k.float(), v.float(), idx, offs,
+                                                          d ** -0.5), atol=2e-5, rtol=2e-5)
+    for r, ix in enumerate(lists):
+        alone = op.slot_attention(q[r:r + 1], k, v, ix, torch.tensor([0, ix.numel()]),
+                                  d ** -0.5)
+        assert torch.equal(alone[0], out[r])
+    if d % 16 == 0:           # TurboQuant rows: the same two stretches, joined per row
+        from specfork.kv_quant import TurboCodec
+        kc, vc = TurboCodec(d, 4, seed=seed), TurboCodec(d, 4, seed=seed + 1)
+        kq, vq = kc.encode(k.float()), vc.encode(v.float())
+        progs = (*kc.cpu_program(), *vc.cpu_program())
+        got = op.code_attention(q, kq, vq, idx, offs, d ** -0.5, *progs)
+        want = op.code_attention(q, kq, vq, torch.cat(lists),
+                                 torch.tensor([0] + [x.numel() for x in lists]).cumsum(0),
+                                 d ** -0.5, *progs)
+        assert torch.equal(got, want)
+
+
 def test_bad_calls_are_errors_not_crashes():
     k = v = torch.zeros(4, 1, 16)
     q = torch.zeros(2, 1, 16)
@@ -96,6 +154,11 @@ def test_bad_calls_are_errors_not_crashes():
     with pytest.raises(RuntimeError, match="float32"):
         op.slot_attention(q.double(), k.double(), v.double(), torch.tensor([0, 1]),
                           torch.tensor([0, 1, 2]), 1.0)
+    with pytest.raises(RuntimeError, match="within idx"):          # a stretch past idx
+        op.slot_attention(q, k, v, torch.tensor([0, 1]), torch.tensor([[0, 1, 0, 0],
+                                                                      [0, 1, 1, 3]]), 1.0)
+    with pytest.raises(RuntimeError, match=r"\[R\+1\] or \[R, 4\]"):
+        op.slot_attention(q, k, v, torch.tensor([0, 1]), torch.tensor([[0, 1], [0, 2]]), 1.0)
 
 
 def test_batch_of_decoding_requests_takes_one_call_per_layer(monkeypatch):

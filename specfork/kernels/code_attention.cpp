@@ -1,11 +1,11 @@
 // Attention of query rows over TurboQuant-coded K/V read straight from KV-tree slots (CPU).
 //
-// The same contract as slot_attention.cpp (row r attends over slots idx[offs[r]:offs[r+1]],
-// its result depends only on its own query and slot list), but the pool holds uint8 rows
-// `[S, KVH, nbytes]`: a fp16 scale, then the codes in bit planes (specfork/kv_quant.py). Each
-// slot's row is decoded into a D-float buffer as it is read, never into a gathered copy of
-// the prefix: the torch path decoded every prefix slot of every layer in each decode step,
-// two dozen small ops per layer that cost more than the attention itself.
+// The same contract as slot_attention.cpp (row r attends over slots idx[offs[r]:offs[r+1]], or two
+// stretches of idx; its result depends only on its own query and slot list), but the pool holds
+// uint8 rows `[S, KVH, nbytes]`: a fp16 scale, then the codes in bit planes
+// (specfork/kv_quant.py). Each slot's row is decoded into a D-float buffer as it is read, never
+// into a gathered copy of the prefix: the torch path decoded every prefix slot of every layer in
+// each decode step, two dozen small ops per layer that cost more than the attention itself.
 //
 // A row decodes a unit at a time (`TurboCodec.cpu_program`): a unit is u consecutive codes of
 // one bit width, its bits gathered from up to three planes into one index of a table holding
@@ -76,20 +76,21 @@ at::Tensor code_attention(at::Tensor q, const at::Tensor& k, const at::Tensor& v
   klut = klut.contiguous();
   vlut = vlut.contiguous();
   const int64_t R = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
-  TORCH_CHECK(D % 16 == 0 && D <= 256 && H % KVH == 0 && offs.numel() == R + 1, "shapes");
+  TORCH_CHECK(D % 16 == 0 && D <= 256 && H % KVH == 0, "shapes");
+  const auto rows = row_slots(offs, R, idx.numel());
   const int G = (int)(H / KVH);
   TORCH_CHECK(G <= 64, "at most 64 query heads per kv head");
   const int64_t KB = k.size(2), VB = v.size(2), ku = kprog.size(0), vu = vprog.size(0);
   auto out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const uint8_t *kp = k.data_ptr<uint8_t>(), *vp = v.data_ptr<uint8_t>();
-  const int64_t* op = offs.data_ptr<int64_t>();
   const int32_t *kpr = kprog.data_ptr<int32_t>(), *vpr = vprog.data_ptr<int32_t>();
   const float *kl = klut.data_ptr<float>(), *vl = vlut.data_ptr<float>();
   float* outp = out.data_ptr<float>();
   const int nv = (int)D / 16;
-  each_row_head(R, KVH, idx, op, [&](int64_t r, int64_t h, const int64_t* ix, int64_t n,
-                                     std::vector<float>& s) {
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  each_row_head(KVH, ip, rows, [&](int64_t r, int64_t h, const int64_t* ix, int64_t n,
+                                   std::vector<float>& s) {
     const float* qr = qp + (r * H + h * G) * D;
     float* orow = outp + (r * H + h * G) * D;
     alignas(64) float buf[256];

@@ -138,9 +138,10 @@ at::Tensor add_to(const Lin& l, const at::Tensor& x, const at::Tensor& a) {
 // post-attention RMSNorm weights); w/s/b[4i + j] for j = qkv, o, gate_up, down (weights or
 // their packed/quantized form, scales, biases) run as kinds[j]; the new K/V go to slots `write`
 // (rows write_src, where given) of k_pool/v_pool [layers, blocks, block, KVH, D]; row r attends
-// over idx[offs[r]:offs[r+1]]. dims = (heads, kv heads, head dim). `fused`: norms, RoPE and
-// SiLU-mul through layer_ops.cpp (Model.fused_ops, which the Python loop follows too). Returns x
-// after the last layer and, for each layer in `capture`, the residual stream entering it.
+// over idx[offs[r]:offs[r+1]] (or two stretches of it, slot_attention.h). dims = (heads, kv heads,
+// head dim). `fused`: norms, RoPE and SiLU-mul through layer_ops.cpp (Model.fused_ops, which
+// the Python loop follows too). Returns x after the last layer and, for each layer in
+// `capture`, the residual stream entering it.
 std::tuple<at::Tensor, std::vector<at::Tensor>> layer_stack(
     at::Tensor x, at::TensorList norms, at::TensorList w,
     const c10::List<std::optional<at::Tensor>>& s, const c10::List<std::optional<at::Tensor>>& b,

@@ -100,8 +100,10 @@ def available(head_dim: int | None = None) -> bool:
 def slot_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
                    idx: torch.Tensor, offs: torch.Tensor, scale: float) -> torch.Tensor:
     """q `[R, H, D]`; row r attends over slots `idx[offs[r]:offs[r+1]]` of `k_slots, v_slots
-    [S, KVH, D]` (float32, contiguous) in that order -> `[R, H, D]`. Loads the op first
-    where this process has not (a tensor-parallel rank runs what rank 0's step chose)."""
+    [S, KVH, D]` (float32 or float16, contiguous) in that order -> `[R, H, D]`; `offs [R, 4]`
+    gives each row two stretches instead, `idx[a:b]` then `idx[c:d]` (`row_slots`). Loads the
+    op first where this process has not (a tensor-parallel rank runs what rank 0's step
+    chose)."""
     ops = _OPS[0] if _OPS else _load()
     return ops.slot_attention(q, k_slots, v_slots, idx, offs, scale)
 
@@ -115,12 +117,18 @@ def code_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
     return ops.code_attention(q, k_rows, v_rows, idx, offs, scale, kprog, klut, vprog, vlut)
 
 
+def row_slots(idx: torch.Tensor, offs: torch.Tensor) -> list:
+    """Each row's slot list, from either form of `offs`."""
+    if offs.dim() == 1:
+        return [idx[offs[r]:offs[r + 1]] for r in range(offs.numel() - 1)]
+    return [torch.cat((idx[a:b], idx[c:d])) for a, b, c, d in offs.tolist()]
+
+
 def slot_attention_ref(q, k_slots, v_slots, idx, offs, scale) -> torch.Tensor:
     """The same in torch ops, row by row (tests)."""
     out = []
     G = q.shape[1] // k_slots.shape[1]
-    for r in range(q.shape[0]):
-        ix = idx[offs[r]:offs[r + 1]]
+    for r, ix in enumerate(row_slots(idx, offs)):
         k = k_slots[ix].repeat_interleave(G, dim=1)                      # [n, H, D]
         v = v_slots[ix].repeat_interleave(G, dim=1)
         s = torch.einsum("hd,nhd->hn", q[r], k) * scale
