@@ -137,6 +137,10 @@ def main(argv=None) -> int:
                    help="comma-separated subset of " + ",".join(BUCKETS))
     p.add_argument("--max-new-tokens", dest="new", type=int, default=128)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--weights", default="float32",
+                   help="the target's weight format (specfork/weights.py; auto: what "
+                        "`specfork generate` picks). Other than float32, outputs are checked "
+                        "against our plain decoding under it, not HF's float32 greedy")
     p.add_argument("--out", default="results/long_prompts", help="path stem of .json/.md/.png")
     a = p.parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -149,6 +153,8 @@ def main(argv=None) -> int:
         bad = sorted(set(buckets) - set(BUCKETS))
         if bad or not buckets:
             raise SpecforkError(f"--buckets: unknown {bad}; choose from {','.join(BUCKETS)}")
+        from specfork.weights import check_weights
+        check_weights(a.weights, "cpu")
         if a.threads:
             torch.set_num_threads(a.threads)
         return _run(a, buckets, command_line("bench_long", argv))
@@ -164,7 +170,8 @@ def _run(a, buckets: list[str], command: str) -> int:
     host = machine()
     t_start = time.perf_counter()
     hf, tok = load_hf(a.target)
-    model = Model(hf)
+    model = Model(hf, weights=a.weights)
+    low = model.weights != "float32"        # checked against our plain decoding, not HF's
     enc = Engine(model, tok, max_kv_tokens=1)
     prompts = [q for q in build_prompts(tok, a.per_bucket) if q["bucket"] in buckets]
     for q in prompts:
@@ -188,7 +195,7 @@ def _run(a, buckets: list[str], command: str) -> int:
             res = {"hf": run_hf(hf, q["ids"], a.new)}
             for k, dec in systems.items():
                 res[k] = run_ours(dec, q["ids"], a.new)
-            ref = res["hf"]["tokens"]
+            ref = res["plain" if low else "hf"]["tokens"]
             row = {k: v for k, v in q.items() if k not in ("ids", "text")}
             row["new_tokens"] = len(ref)
             row["exact"] = all(res[k]["tokens"] == ref for k in systems)
@@ -199,9 +206,9 @@ def _run(a, buckets: list[str], command: str) -> int:
                 for x in ("tau", "off_steps", "steps", "depth"):
                     if x in r:
                         row[k][x] = round(r[x], 3) if x == "tau" else r[x]
-            for k in systems:
+            for k in systems:                   # per token: HF's and ours may differ in length
                 row[k]["vs_hf"] = round(res["hf"]["wall"] / res[k]["wall"] * len(
-                    res[k]["tokens"]) / max(1, len(ref)), 3)
+                    res[k]["tokens"]) / max(1, len(res["hf"]["tokens"])), 3)
             for k in ("spec", "spec_fixed"):
                 row[k]["vs_plain"] = round(res["plain"]["wall"] / res[k]["wall"], 3)
             row["prefill_vs_hf"] = round(res["hf"]["ttft"] / res["plain"]["ttft"], 3)
@@ -229,13 +236,16 @@ def _run(a, buckets: list[str], command: str) -> int:
            "elapsed_s": round(time.perf_counter() - t_start),
            "config": {"target": a.target, "drafts": a.drafts,
                       "drafter": a.drafter or "default mix", "max_new_tokens": a.new,
-                      "dtype": str(hf.dtype).split(".")[-1]},
+                      "dtype": str(hf.dtype).split(".")[-1], "weights": model.weights,
+                      "kv_cache": model.kv_cache,
+                      "checked_against": "plain decoding (ours)" if low else "HF greedy"},
            "all_exact": all(r["exact"] for r in rows),
            "leaked_blocks": sum(r["leaked"] for r in rows),
            "summary": summary, "prompts": rows}
     write_results(a.out, res, markdown, plot)
     if not res["all_exact"]:
-        print("WARNING: some output differs from HF greedy", file=sys.stderr)
+        print(f"WARNING: some output differs from {res['config']['checked_against']}",
+              file=sys.stderr)
     return 0
 
 
@@ -243,9 +253,12 @@ def markdown(res: dict) -> str:
     c, m = res["config"], res["machine"]
     lines = ["# Long prompts: speculation vs plain decoding and HF greedy", "",
              f"`{res['command']}` on {m['cpu']} ({m['torch_threads']} threads), {res['date']}; "
-             f"{c['target']} {c['dtype']}, `--drafts {c['drafts']}` ({c['drafter']}), "
-             f"{c['max_new_tokens']} new tokens, greedy. Every output of ours equals HF greedy: "
-             f"**{res['all_exact']}**; leaked KV blocks: {res['leaked_blocks']}.", "",
+             f"{c['target']} {c['dtype']}, weights {c.get('weights', 'float32')}, K/V "
+             f"{c.get('kv_cache', 'auto')}, `--drafts {c['drafts']}` ({c['drafter']}), "
+             f"{c['max_new_tokens']} new tokens, greedy. Every output of ours equals "
+             f"{c.get('checked_against', 'HF greedy')}: **{res['all_exact']}**; leaked KV "
+             f"blocks: {res['leaked_blocks']}. HF runs its float32 greedy decoding in every "
+             "case.", "",
              "Medians per bucket (speed ratios of wall time, same process, one after the other; "
              "`min vs plain` is the worst prompt):", "",
              "| bucket | prompts | prompt tokens | plain vs HF | spec (adaptive) vs HF | "

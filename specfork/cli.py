@@ -125,7 +125,8 @@ def _tp_arg(g) -> None:
 
 def _kv_arg(g) -> None:
     g.add_argument("--kv-cache", default="auto",
-                   help="KV cache format: auto (the model's dtype), float32, bfloat16, float16, "
+                   help="KV cache format: auto (float16 under low-bit weights on a CPU, else the "
+                        "model's dtype), float32, bfloat16, float16, "
                         "or TurboQuant codes turbo4, turbo3.5, turbo3, turbo2.5 (bits per "
                         "stored value, norms included)")
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from specfork.attention import AttnMeta, half_slots
 from specfork.errors import SpecforkError
-from specfork.kv_quant import StoredSlots, layer_codecs
+from specfork.kv_quant import StoredSlots, layer_codecs, resolve_kv
 from specfork.kv_tree import BlockPool
 from specfork.weights import HEAD_FORMAT, QuantLinear, resolve, row_blocks
 
@@ -233,7 +233,7 @@ class Model:
         the copies take at most 4 GiB).
         `weights`: the matmuls' weight format (`specfork/weights.py`; float32: as loaded).
         `kv_cache`: the format of every pool `make_pool` makes (`specfork/kv_quant.py`; auto:
-        the model's dtype)."""
+        `resolve_kv`, float16 under low-bit weights on a CPU, else the model's dtype)."""
         cfg = hf.config
         if cfg.model_type not in SUPPORTED:
             raise UnsupportedModel(f"model type '{cfg.model_type}' is not supported "
@@ -259,9 +259,6 @@ class Model:
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None    # CPU: `rope`'s table
         self.dtype, self.device = self.embed.dtype, self.embed.device
 
-        self.kv_cache = kv_cache
-        self.kv_codecs = layer_codecs(kv_cache, self.num_layers, self.head_dim, self.dtype,
-                                      self.device)
         self.weights = resolve(weights, self.device, *(
             ([getattr(b.self_attn, f).weight for b in body.layers
               for f in ("q_proj", "k_proj", "v_proj", "o_proj")]
@@ -269,6 +266,9 @@ class Model:
                 for f in ("gate_proj", "up_proj", "down_proj")], hf.lm_head.weight)
             if weights == "auto" else ()))
         low = self.weights != "float32"
+        self.kv_cache = resolve_kv(kv_cache, low, self.dtype, self.device, self.head_dim)
+        self.kv_codecs = layer_codecs(self.kv_cache, self.num_layers, self.head_dim, self.dtype,
+                                      self.device)
         # A stored K/V format other than the model's dtype (float16 or TurboQuant codes) turns
         # last-bit differences into different stored values, and low-bit weights round every
         # matmul differently: under either, a verify tree's token must be computed bit for bit

@@ -26,6 +26,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
     ("bench_tree_attention", ["--trees", "1"], "--trees must be >= 2"),
     ("bench_long", ["--per-bucket", "0"], "must be positive"),
     ("bench_long", ["--buckets", "<=256,huge"], "--buckets: unknown ['huge']"),
+    ("bench_long", ["--weights", "int3"], "unknown format 'int3'"),
     ("bench_prefill", ["--lengths", "100,x"], "--lengths: not a list of integers"),
     ("bench_prefill", ["--steps", "0"], "must be positive"),
     ("bench_prefill", ["--weights", "int3"], "--weights: unknown format 'int3'"),
@@ -74,18 +75,23 @@ def test_result_file_names_its_command(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_long_end_to_end(tmp_path):
-    """bench_long on one short document prompt: ours equal HF greedy, nothing leaks, the files
-    name their command, and the adaptive run records a depth per step."""
+@pytest.mark.parametrize("weights", ["float32", "auto"])
+def test_bench_long_end_to_end(tmp_path, weights):
+    """bench_long on one short document prompt: ours equal HF greedy (float32; under `auto`,
+    the embedded target's int4 with float16 K/V, speculation equals our plain decoding),
+    nothing leaks, the files name their command, and the adaptive run records a depth per
+    step."""
     stem = tmp_path / "long"
     args = ["--buckets", "<=256", "--per-bucket", "1", "--max-new-tokens", "12",
-            "--out", str(stem)]
+            "--weights", weights, "--out", str(stem)]
     p = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_long.py"), *args],
                        capture_output=True, text=True, timeout=600, env=ENV)
     assert p.returncode == 0, p.stderr
     res = json.loads(stem.with_suffix(".json").read_text())
     assert res["command"] == "python eval/bench_long.py " + shlex.join(args)
     assert res["all_exact"] and res["leaked_blocks"] == 0
+    assert res["config"]["checked_against"] == ("HF greedy" if weights == "float32" else
+                                                "plain decoding (ours)")
     (row,) = res["prompts"]
     assert row["bucket"] == "<=256" and row["prompt_tokens"] <= 256
     assert all(len(v) == row["spec"]["steps"] for v in row["spec"]["depth"].values())

@@ -180,6 +180,25 @@ def test_auto_is_int4_only_where_it_holds_the_weights_exactly():
     assert _tiny_model("auto").weights == "float32"
 
 
+def test_auto_kv_is_float16_under_low_bit_weights_on_a_cpu():
+    """`--kv-cache auto` stores float16 K/V under low-bit weights where the slot op reads it
+    (half the bytes a decode step reads), the model's float32 under float32 weights; a format
+    asked for by name is kept."""
+    from specfork.kv_quant import resolve_kv
+    from specfork.kernels import slot_attention as slot_op
+    half = "float16" if slot_op.available(16) else "auto"
+    assert _tiny_model("int4").kv_cache == half
+    assert resolve_kv("auto", True, torch.float32, "cpu", 64) == half
+    assert _tiny_model("int4").make_pool(num_blocks=4).bytes_per_token == (
+        2 * 2 * 2 * 16 * (2 if half == "float16" else 4))
+    m = _tiny_model()
+    assert m.kv_cache == "auto" and m.kv_codecs is None
+    assert tiny_model("int4", kv_cache="float32").kv_codecs is None
+    assert resolve_kv("turbo4", True, torch.float32, "cpu", 64) == "turbo4"
+    assert resolve_kv("auto", True, torch.float32, "cuda", 64) == "auto"
+    assert resolve_kv("auto", True, torch.bfloat16, "cpu", 64) == "auto"
+
+
 @pytest.mark.parametrize("fmt", LOW)
 def test_model_under_a_format(fmt):
     """Logits near float32's; every matmul in the format (int4: the output layer int8); n-gram
