@@ -20,7 +20,9 @@ open loop only: each replica has its own prefix cache and /metrics). On a cluste
 head node: `ray start --head` there, `ray start --address HEAD:6379` on the others, then
 `python eval/bench_serving.py --configs plain,plain-r8 --ray-address HEAD:6379`. Each
 configuration is a fresh server process (its model load is not timed); this process only waits
-on sockets while it runs. Hugging Face runs after, alone: batches of `concurrency` prompts,
+on sockets while it runs. Then the same closed loops run on the engine itself in this process,
+plain decoding with no HTTP, tokenizer or client (`engine in-process`): what the server adds
+is the difference (`--no-engine`: skip). Hugging Face runs after, alone: batches of `concurrency` prompts,
 left padded, `generate(do_sample=False)`; its TTFT is a 1-token `generate` of the same batch,
 its output tokens those before each row's EOS.
 """
@@ -168,6 +170,34 @@ async def _open_on(client, convs, rate: float, max_tokens: int, seed: int):
     return list(out), time.perf_counter() - t0
 
 
+def engine_closed(dec, prompts: list[list[int]], concurrency: int,
+                  max_tokens: int) -> tuple[list, float]:
+    """The closed loop on the engine in this process: `concurrency` requests in flight, the next
+    added when one finishes; TTFT from a request's add to its first token."""
+    todo, live, out = list(prompts), [], []
+
+    def start(ids):
+        first = []
+        (r,) = dec.request(ids, max_tokens, on_tokens=lambda i, new: first or first.append(
+            time.perf_counter()))
+        dec.engine.add(r)
+        return r, time.perf_counter(), first
+
+    t0 = time.perf_counter()
+    while todo or live:
+        while todo and len(live) < concurrency:
+            live.append(start(todo.pop(0)))
+        dec.engine.step()
+        end = time.perf_counter()
+        for x in [x for x in live if x[0].done]:
+            live.remove(x)
+            r, t, first = x
+            f, n = (first[0] if first else end), len(r.out)
+            out.append({"ttft": f - t, "tpot": (end - f) / (n - 1) if n > 1 else None,
+                        "tokens": n, "latency": end - t})
+    return out, time.perf_counter() - t0
+
+
 def summary(recs: list[dict], wall: float) -> dict:
     ttft = [r["ttft"] for r in recs]
     tpot = [r["tpot"] for r in recs if r["tpot"] is not None]
@@ -225,6 +255,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--system-tokens", type=int, default=500)
     ap.add_argument("--no-hf", dest="hf", action="store_false")
+    ap.add_argument("--no-engine", dest="engine", action="store_false",
+                    help="skip the in-process engine rows")
     ap.add_argument("--configs", default="plain,spec",
                     help="server configurations, of: " + ", ".join(CONFIGS))
     ap.add_argument("--ray-address", default=None,
@@ -285,6 +317,21 @@ def main(argv=None) -> int:
                              **summary(recs, wall)})
                 print(name, cache, runs[-1], flush=True)
                 res["runs"] += [{"server": name, "prefix_cache": cache, **r} for r in runs]
+    if a.engine:
+        from specfork.decoder import SpecDecoder
+        dec = SpecDecoder.from_pretrained(MODEL, drafts=0, weights=a.weights).serving(
+            prefix_cache=False)
+        chat = lambda m: list(tok.apply_chat_template(              # noqa: E731
+            m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        engine_closed(dec, [chat(m) for m in convs(2)], 2, 8)         # warm-up
+        for c in levels:
+            n = a.single_requests if c == 1 else max(c, a.requests)
+            recs, wall = engine_closed(dec, [chat(m) for m in convs(n)], c, a.max_tokens)
+            res["runs"].append({"server": "engine in-process", "prefix_cache": False,
+                                "workload": f"closed c={c}", "concurrency": c,
+                                **summary(recs, wall)})
+            print("engine", res["runs"][-1], flush=True)
+        del dec
     if a.hf:
         for c in levels:
             n = a.single_requests if c == 1 else max(c, a.requests)

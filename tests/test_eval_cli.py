@@ -195,3 +195,29 @@ def test_bench_kv_quant_end_to_end(tmp_path):
     assert 0 < t["distortion"]["k"] < 0.0425 and t["kv_peak_8k_bytes"] > 0
     assert stem.with_suffix(".png").is_file() and "| turbo3.5 |" in \
         stem.with_suffix(".md").read_text()
+
+
+def test_bench_serving_engine_loop_keeps_its_concurrency_and_tokens():
+    """bench_serving's in-process rows: the closed loop on the engine runs every request to its
+    max_tokens with at most `concurrency` in flight, each emitting what it emits alone, and
+    leaks no KV block."""
+    import torch
+    from bench_serving import engine_closed, summary
+    from conftest import tiny_model
+    from specfork.decoder import SpecDecoder
+    dec = SpecDecoder(tiny_model(), None, eos_token_ids=[], max_kv_tokens=512).serving(
+        prefix_cache=False)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 96, (5 + 3 * i,), generator=g).tolist() for i in range(5)]
+    alone = [dec.generate(p, max_new_tokens=6).token_ids for p in prompts]
+    seen, made = [], []
+    step, request = dec.engine.step, dec.request
+    dec.engine.step = lambda: seen.append(len(dec.engine.scheduler.running)) or step()
+    dec.request = lambda *a, **k: made.extend(request(*a, **k)) or made[-1:]
+    recs, wall = engine_closed(dec, prompts, 2, 6)
+    assert [r["tokens"] for r in recs] == [6] * 5 and max(seen) == 2
+    assert [r.out for r in made] == alone
+    assert all(r["ttft"] <= r["latency"] for r in recs)
+    s = summary(recs, wall)
+    assert s["requests"] == 5 and s["output_tokens"] == 30
+    assert dec.pool.used_blocks == 0
