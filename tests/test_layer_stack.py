@@ -90,7 +90,8 @@ def test_a_float16_kv_pool_runs_through_the_op_as_the_loop(monkeypatch, fmt):
     assert calls == [40] + [1] * 6 and on[2].dtype == torch.float16
     monkeypatch.setenv("SPECFORK_LAYER_STACK", "0")
     assert _equal(on, _decode(m))
-    assert not _equal(on[0], _decode(tiny_model(fmt, hidden=_low(fmt)))[0])  # fp32 K/V differs
+    fp32 = tiny_model(fmt, kv_cache="float32", hidden=_low(fmt))
+    assert not _equal(on[0], _decode(fp32)[0])                           # fp32 K/V differs
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])
