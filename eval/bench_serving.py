@@ -22,9 +22,9 @@ head node: `ray start --head` there, `ray start --address HEAD:6379` on the othe
 configuration is a fresh server process (its model load is not timed); this process only waits
 on sockets while it runs. Then the same closed loops run on the engine itself in this process,
 plain decoding with no HTTP, tokenizer or client (`engine in-process`): what the server adds
-is the difference (`--no-engine`: skip). Hugging Face runs after, alone: batches of `concurrency` prompts,
-left padded, `generate(do_sample=False)`; its TTFT is a 1-token `generate` of the same batch,
-its output tokens those before each row's EOS.
+is the difference (`--no-engine`: skip). Hugging Face runs after, alone: batches of
+`concurrency` prompts, left padded, `generate(do_sample=False)`; its TTFT is a 1-token
+`generate` of the same batch, its output tokens those before each row's EOS.
 """
 from __future__ import annotations
 
