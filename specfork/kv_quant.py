@@ -460,8 +460,9 @@ def resolve_kv(name: str, low_bit: bool, model_dtype: torch.dtype, device, head_
     """`auto` -> float16 under low-bit weights (int4, int8, bfloat16: every format but float32)
     where the CPU slot op reads float16 pools, as llama.cpp's default K/V type: a decode step
     then reads half the K/V bytes (results/kv_quant_f16_epyc: perplexity 1.000x float32 K/V at
-    1K and 8K tokens, the same speed at one request), and low-bit weights already give up bitwise agreement with the
-    float32 model. Otherwise, and for every other name, the model's dtype / the name itself."""
+    1K and 8K tokens, the same speed at one request), and low-bit weights already give up
+    bitwise agreement with the float32 model. Otherwise, and for every other name, the model's
+    dtype / the name itself."""
     if name != "auto" or not low_bit or model_dtype != torch.float32 or (
             torch.device(device).type != "cpu"):
         return name
