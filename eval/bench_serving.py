@@ -19,10 +19,15 @@ plain-rR (plain-r2, ...): plain decoding on R Ray Serve replicas behind one endp
 open loop only: each replica has its own prefix cache and /metrics). On a cluster, from its
 head node: `ray start --head` there, `ray start --address HEAD:6379` on the others, then
 `python eval/bench_serving.py --configs plain,plain-r8 --ray-address HEAD:6379`. Each
-configuration is a fresh server process (its model load is not timed); this process only waits
-on sockets while it runs. Then the same closed loops run on the engine itself in this process,
-plain decoding with no HTTP, tokenizer or client (`engine in-process`): what the server adds
-is the difference (`--no-engine`: skip). Hugging Face runs after, alone: batches of
+configuration is a server process of its own (its model load and one warm-up request are not
+timed); this process only waits on sockets while one runs. The same closed loops also run on
+the engine itself in this process, plain decoding with no HTTP, tokenizer or client (`engine
+in-process`): what the server adds is the difference (`--no-engine`: skip). Every workload
+runs `--reps` times on each configuration, the configurations in turn each round, and each
+one's best run counts (the shortest wall time; at a fixed rate the lowest mean latency): this
+host's speed drifts by 20-30% over minutes, which a single run per configuration measured as
+their difference. With the prefix cache on, the system-prompt workload runs once (a second run
+would find every prompt cached). Hugging Face runs after, alone: batches of
 `concurrency` prompts, left padded, `generate(do_sample=False)`; its TTFT is a 1-token
 `generate` of the same batch, its output tokens those before each row's EOS.
 """
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import re
 import signal
@@ -205,7 +211,37 @@ def summary(recs: list[dict], wall: float) -> dict:
     return {"requests": len(recs), "output_tokens": toks, "wall_s": round(wall, 3),
             "output_tok_s": round(toks / wall, 2),
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-            "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99)}
+            "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
+            "latency_mean_s": round(sum(r["latency"] for r in recs) / max(1, len(recs)), 4)}
+
+
+def system_run(srv: "Live", convs, max_tokens: int) -> tuple[list, float, dict]:
+    """The shared-system-prompt closed loop (16 clients) and the prompt tokens the server
+    prefilled and found cached meanwhile, from its /metrics."""
+    before = srv.metrics()
+    recs, wall = asyncio.run(_closed(srv.url, convs, 16, max_tokens))
+    after = srv.metrics()
+    prompt = after["specfork_prompt_tokens_total"] - before["specfork_prompt_tokens_total"]
+    hit = (after["specfork_prefix_cache_hit_tokens_total"]
+           - before["specfork_prefix_cache_hit_tokens_total"])
+    return recs, wall, {"prompt_tokens": int(prompt), "cached_prompt_tokens": int(hit),
+                        "prefilled_prompt_tokens": int(prompt - hit)}
+
+
+def in_turn(runners, reps: int, closed: bool) -> list:
+    """Run each (key, run) `reps` times, all of them in turn each round (this host's speed
+    drifts by 20-30% over minutes, so configurations compared with each other alternate), and
+    keep each one's best run: the shortest wall time for a closed loop, the lowest mean
+    latency at a fixed rate. Returns [(key, summary + "reps" + what run returned besides)]."""
+    best = {}
+    for _ in range(reps):
+        for key, run in runners:
+            recs, wall, *extra = run()
+            s = {**summary(recs, wall), **(extra[0] if extra else {}), "reps": reps}
+            score = wall if closed else s["latency_mean_s"]
+            if key not in best or score < best[key][0]:
+                best[key] = (score, s)
+    return [(key, best[key][1]) for key, _ in runners]
 
 
 def hf_static(prompts_msgs, concurrency: int, max_tokens: int, tok, hf) -> dict:
@@ -264,12 +300,16 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", default="float32",
                     help="the servers' --weights (float32: HF's weights as the peer runs them; "
                          "auto: what specfork serve picks, int4 for the embedded target)")
+    ap.add_argument("--reps", type=int, default=3,
+                    help="runs of each workload per configuration, in turn; the best counts")
     ap.add_argument("--out", default="results/serving")
     a = ap.parse_args(argv)
     import torch  # noqa: F401
     from prompts import load_prompts
     from specfork.loader import load_hf
     levels = [int(x) for x in a.concurrency.split(",")]
+    if a.reps < 1:
+        raise SpecforkError("--reps must be at least 1")
     res = {"command": command_line("bench_serving", argv), "machine": machine(),
            "max_tokens": a.max_tokens, "runs": []}
     qs = [p["text"] for p in load_prompts("mtbench")]
@@ -282,56 +322,52 @@ def main(argv=None) -> int:
         return [([{"role": "system", "content": sys_text}] if system else [])
                 + [{"role": "user", "content": qs[i % len(qs)]}] for i in range(n)]
 
-    for name in a.configs.split(","):
-        flags = config_flags(name, a.ray_address) + ["--weights", a.weights]
-        for cache in ((False,) if "--replicas" in flags else (False, True)):
-            args = flags + ([] if cache else ["--no-prefix-cache"])
-            with Live(args) as srv:
-                runs = []
-                if not cache:
-                    for c in levels:
-                        n = a.single_requests if c == 1 else max(c, a.requests)
-                        recs, wall = asyncio.run(_closed(srv.url, convs(n), c, a.max_tokens))
-                        runs.append({"workload": f"closed c={c}", "concurrency": c,
-                                     **summary(recs, wall)})
-                        print(name, runs[-1], flush=True)
-                    recs, wall = asyncio.run(_open(srv.url, convs(a.requests), a.rate,
-                                                   a.max_tokens))
-                    runs.append({"workload": f"rate {a.rate}/s", "rate": a.rate,
-                                 **summary(recs, wall)})
-                    print(name, runs[-1], flush=True)
-                if "--replicas" in flags:
-                    res["runs"] += [{"server": name, "prefix_cache": cache, **r} for r in runs]
-                    continue
-                before = srv.metrics()
-                recs, wall = asyncio.run(_closed(srv.url, convs(16, system=True), 16,
-                                                 a.max_tokens))
-                after = srv.metrics()
-                prompt = after["specfork_prompt_tokens_total"] - before[
-                    "specfork_prompt_tokens_total"]
-                hit = after["specfork_prefix_cache_hit_tokens_total"] - before[
-                    "specfork_prefix_cache_hit_tokens_total"]
-                runs.append({"workload": "system prompt c=16", "concurrency": 16,
-                             "prompt_tokens": int(prompt), "cached_prompt_tokens": int(hit),
-                             "prefilled_prompt_tokens": int(prompt - hit),
-                             **summary(recs, wall)})
-                print(name, cache, runs[-1], flush=True)
-                res["runs"] += [{"server": name, "prefix_cache": cache, **r} for r in runs]
-    if a.engine:
-        from specfork.decoder import SpecDecoder
-        dec = SpecDecoder.from_pretrained(MODEL, drafts=0, weights=a.weights).serving(
-            prefix_cache=False)
-        chat = lambda m: list(tok.apply_chat_template(              # noqa: E731
-            m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-        engine_closed(dec, [chat(m) for m in convs(2)], 2, 8)         # warm-up
+    servers = {}                                    # (name, prefix cache) -> Live
+    with contextlib.ExitStack() as stack:
+        for name in a.configs.split(","):
+            flags = config_flags(name, a.ray_address) + ["--weights", a.weights]
+            for cache in ((False,) if "--replicas" in flags else (False, True)):
+                srv = stack.enter_context(Live(flags + ([] if cache else ["--no-prefix-cache"])))
+                asyncio.run(_closed(srv.url, convs(2), 2, 8))               # warm-up
+                servers[(name, cache)] = srv
+        dec = None
+        if a.engine:
+            from specfork.decoder import SpecDecoder
+            dec = SpecDecoder.from_pretrained(MODEL, drafts=0, weights=a.weights).serving(
+                prefix_cache=False)
+            chat = lambda m: list(tok.apply_chat_template(          # noqa: E731
+                m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+            engine_closed(dec, [chat(m) for m in convs(2)], 2, 8)     # warm-up
+        cold = [(k, s) for k, s in servers.items() if not k[1]]
         for c in levels:
             n = a.single_requests if c == 1 else max(c, a.requests)
-            recs, wall = engine_closed(dec, [chat(m) for m in convs(n)], c, a.max_tokens)
-            res["runs"].append({"server": "engine in-process", "prefix_cache": False,
-                                "workload": f"closed c={c}", "concurrency": c,
-                                **summary(recs, wall)})
-            print("engine", res["runs"][-1], flush=True)
-        del dec
+            runners = [(k, lambda s=s: asyncio.run(_closed(s.url, convs(n), c, a.max_tokens)))
+                       for k, s in cold]
+            if dec is not None:
+                runners.append((("engine in-process", False),
+                                lambda: engine_closed(dec, [chat(m) for m in convs(n)], c,
+                                                      a.max_tokens)))
+            for (name, cache), r in in_turn(runners, a.reps, closed=True):
+                res["runs"].append({"server": name, "prefix_cache": cache,
+                                    "workload": f"closed c={c}", "concurrency": c, **r})
+                print(name, res["runs"][-1], flush=True)
+        runners = [(k, lambda s=s: asyncio.run(_open(s.url, convs(a.requests), a.rate,
+                                                      a.max_tokens))) for k, s in cold]
+        for (name, cache), r in in_turn(runners, a.reps, closed=False):
+            res["runs"].append({"server": name, "prefix_cache": cache,
+                                "workload": f"rate {a.rate}/s", "rate": a.rate, **r})
+            print(name, res["runs"][-1], flush=True)
+        # the shared system prompt: with the cache on, a second run would find every prompt
+        # cached, so those servers run it once
+        for cached in (False, True):
+            runners = [(k, lambda s=s: system_run(s, convs(16, system=True), a.max_tokens))
+                       for k, s in servers.items() if k[1] == cached and not k[0].startswith(
+                           "plain-r")]
+            for (name, cache), r in in_turn(runners, 1 if cached else a.reps, closed=True):
+                res["runs"].append({"server": name, "prefix_cache": cache,
+                                    "workload": "system prompt c=16", "concurrency": 16, **r})
+                print(name, cache, res["runs"][-1], flush=True)
+        dec = None                                  # free its model before HF runs
     if a.hf:
         for c in levels:
             n = a.single_requests if c == 1 else max(c, a.requests)
@@ -342,6 +378,9 @@ def main(argv=None) -> int:
         r = hf_static(convs(16, system=True), 16, a.max_tokens, tok, hf)
         res["runs"].append({"server": "hf static batch", "prefix_cache": False,
                             "workload": "system prompt c=16", "concurrency": 16, **r})
+    order = a.configs.split(",") + ["engine in-process", "hf static batch"]
+    res["runs"].sort(key=lambda r: (order.index(r["server"]), r["prefix_cache"]))
+    res["reps"] = a.reps
     base = next(r["output_tok_s"] for r in res["runs"] if r["server"] == "plain"
                 and r["workload"] == "closed c=1")
     for r in res["runs"]:
@@ -356,7 +395,10 @@ def markdown(res: dict) -> str:
            f"`{res['command']}` on {m['cpu']} ({m['cores']} cores, torch "
            f"{m['torch']}), {m['date']}. Greedy, up to {res['max_tokens']} tokens per request; "
            "MT-bench first turns, chat template. Output tokens/s over each run's wall time; "
-           "`x plain c=1`: its ratio to our plain decoding at concurrency 1 in this run.\n",
+           "`x plain c=1`: its ratio to our plain decoding at concurrency 1 in this run. "
+           f"Each workload ran {res.get('reps', 1)} times per configuration, the "
+           "configurations in turn, and the best run is shown (with the prefix cache on, "
+           "the system-prompt workload once; Hugging Face once).\n",
            "| server | prefix cache | workload | requests | output tok/s | x plain c=1 | "
            "TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | prompt tokens prefilled / cached |",
            "|---|---|---|---|---|---|---|---|---|"]

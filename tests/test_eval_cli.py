@@ -221,3 +221,29 @@ def test_bench_serving_engine_loop_keeps_its_concurrency_and_tokens():
     s = summary(recs, wall)
     assert s["requests"] == 5 and s["output_tokens"] == 30
     assert dec.pool.used_blocks == 0
+
+
+def test_bench_serving_runs_configurations_in_turn_and_keeps_each_ones_best():
+    """bench_serving's --reps: every round runs each configuration once, in the given order,
+    and each keeps its own best run: the shortest wall time in a closed loop, the lowest mean
+    latency at a fixed rate (where wall time is set by the arrivals)."""
+    from bench_serving import in_turn
+    log = []
+    walls = {"a": iter([3.0, 1.0, 2.0]), "b": iter([1.5, 2.5, 0.5])}
+    lats = {"a": iter([0.2, 0.4, 0.3]), "b": iter([0.9, 0.1, 0.5])}
+
+    def run(k):
+        log.append(k)
+        lat = next(lats[k])
+        recs = [{"ttft": lat / 2, "tpot": None, "tokens": 4, "latency": lat}]
+        return recs, next(walls[k]), {"tag": k}
+    got = in_turn([("a", lambda: run("a")), ("b", lambda: run("b"))], 3, closed=True)
+    assert log == ["a", "b"] * 3
+    assert [k for k, _ in got] == ["a", "b"]
+    assert [s["wall_s"] for _, s in got] == [1.0, 0.5]
+    assert all(s["reps"] == 3 and s["tag"] == k for k, s in got)
+    walls = {"a": iter([3.0, 1.0, 2.0]), "b": iter([1.5, 2.5, 0.5])}
+    lats = {"a": iter([0.2, 0.4, 0.3]), "b": iter([0.9, 0.1, 0.5])}
+    got = dict(in_turn([("a", lambda: run("a")), ("b", lambda: run("b"))], 3, closed=False))
+    assert got["a"]["latency_mean_s"] == 0.2 and got["a"]["wall_s"] == 3.0
+    assert got["b"]["latency_mean_s"] == 0.1 and got["b"]["wall_s"] == 2.5
