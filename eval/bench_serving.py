@@ -26,8 +26,8 @@ in-process`): what the server adds is the difference (`--no-engine`: skip). Ever
 runs `--reps` times on each configuration, the configurations in turn each round, and each
 one's best run counts (the shortest wall time; at a fixed rate the lowest mean latency): this
 host's speed drifts by 20-30% over minutes, which a single run per configuration measured as
-their difference. With the prefix cache on, the system-prompt workload runs once (a second run
-would find every prompt cached). Hugging Face runs after, alone: batches of
+their difference. Each system-prompt run starts from an empty prefix cache
+(`POST /reset_prefix_cache`). Hugging Face runs after, alone: batches of
 `concurrency` prompts, left padded, `generate(do_sample=False)`; its TTFT is a 1-token
 `generate` of the same batch, its output tokens those before each row's EOS.
 """
@@ -107,6 +107,10 @@ class Live:
         text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
         return {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines()
                 if ln and not ln.startswith("#")}
+
+    def reset_prefix_cache(self) -> None:
+        urllib.request.urlopen(urllib.request.Request(self.url + "/reset_prefix_cache",
+                                                      method="POST"), timeout=30).read()
 
     def __enter__(self):
         return self
@@ -216,8 +220,10 @@ def summary(recs: list[dict], wall: float) -> dict:
 
 
 def system_run(srv: "Live", convs, max_tokens: int) -> tuple[list, float, dict]:
-    """The shared-system-prompt closed loop (16 clients) and the prompt tokens the server
-    prefilled and found cached meanwhile, from its /metrics."""
+    """The shared-system-prompt closed loop (16 clients), from a cold prefix cache (reset
+    first, so every run prefills the system prompt at least once), and the prompt tokens the
+    server prefilled and found cached meanwhile, from its /metrics."""
+    srv.reset_prefix_cache()
     before = srv.metrics()
     recs, wall = asyncio.run(_closed(srv.url, convs, 16, max_tokens))
     after = srv.metrics()
@@ -357,16 +363,12 @@ def main(argv=None) -> int:
             res["runs"].append({"server": name, "prefix_cache": cache,
                                 "workload": f"rate {a.rate}/s", "rate": a.rate, **r})
             print(name, res["runs"][-1], flush=True)
-        # the shared system prompt: with the cache on, a second run would find every prompt
-        # cached, so those servers run it once
-        for cached in (False, True):
-            runners = [(k, lambda s=s: system_run(s, convs(16, system=True), a.max_tokens))
-                       for k, s in servers.items() if k[1] == cached and not k[0].startswith(
-                           "plain-r")]
-            for (name, cache), r in in_turn(runners, 1 if cached else a.reps, closed=True):
-                res["runs"].append({"server": name, "prefix_cache": cache,
-                                    "workload": "system prompt c=16", "concurrency": 16, **r})
-                print(name, cache, res["runs"][-1], flush=True)
+        runners = [(k, lambda s=s: system_run(s, convs(16, system=True), a.max_tokens))
+                   for k, s in servers.items() if not k[0].startswith("plain-r")]
+        for (name, cache), r in in_turn(runners, a.reps, closed=True):
+            res["runs"].append({"server": name, "prefix_cache": cache,
+                                "workload": "system prompt c=16", "concurrency": 16, **r})
+            print(name, cache, res["runs"][-1], flush=True)
         dec = None                                  # free its model before HF runs
     if a.hf:
         for c in levels:
@@ -397,8 +399,8 @@ def markdown(res: dict) -> str:
            "MT-bench first turns, chat template. Output tokens/s over each run's wall time; "
            "`x plain c=1`: its ratio to our plain decoding at concurrency 1 in this run. "
            f"Each workload ran {res.get('reps', 1)} times per configuration, the "
-           "configurations in turn, and the best run is shown (with the prefix cache on, "
-           "the system-prompt workload once; Hugging Face once).\n",
+           "configurations in turn, and the best run is shown (Hugging Face: one run; "
+           "system-prompt runs each from an empty prefix cache).\n",
            "| server | prefix cache | workload | requests | output tok/s | x plain c=1 | "
            "TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | prompt tokens prefilled / cached |",
            "|---|---|---|---|---|---|---|---|---|"]

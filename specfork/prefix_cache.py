@@ -77,8 +77,11 @@ class PrefixCache:
         self.entries[eid] = (list(tokens), branch)
         self.used[eid] = next(self._clock)
         node = self.root
-        for t in tokens:
-            node = node.children.setdefault(t, _Node())
+        for t in tokens:                      # no throwaway node per shared token (setdefault)
+            nxt = node.children.get(t)
+            if nxt is None:
+                nxt = node.children[t] = _Node()
+            node = nxt
             node.entries.add(eid)
         # entries that end on the new path are prefixes of it: the new one serves them all
         for other in [e for e in node_path_entries(self.root, tokens) if e != eid]:

@@ -40,7 +40,7 @@ class Replica:
     engine, the only thread of this process that runs torch ops (see server.EngineLoop)."""
 
     def __init__(self, load, serving: dict, model_name: str, max_waiting: int, threads: int):
-        from specfork.server import Server
+        from specfork.server import Server, freeze_startup_objects
         ready: concurrent.futures.Future = concurrent.futures.Future()
 
         def main():
@@ -50,6 +50,7 @@ class Replica:
                 dec = load()
                 dec.serving(**serving)
                 server = Server(dec, model_name, max_waiting, engine_thread=False)
+                freeze_startup_objects()
             except BaseException as e:
                 ready.set_exception(e)
                 return

@@ -244,3 +244,26 @@ def test_bad_requests_get_their_status(live):
     finally:
         server.max_waiting = 256
     assert _leaked(server) == 0
+
+
+def test_reset_prefix_cache_drops_cached_prompts(live, ref):
+    """POST /reset_prefix_cache (vLLM's name): every cached prompt goes and its blocks with it;
+    the next request prefills again and still gets the same text."""
+    server, url = live
+    c = _client(url)
+    msgs = [{"role": "user", "content": PROMPTS[1]}]
+    out = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=24,
+                                    temperature=0)
+    assert out.choices[0].message.content == ref[PROMPTS[1]]
+    _idle(server)
+    held = server.engine.cache.cached_tokens
+    assert held > 0 and server.engine.pool.used_blocks > 0
+    st, r = _http(url, "POST", "/reset_prefix_cache")
+    assert st == 200 and r == {"dropped_tokens": held}
+    assert server.engine.cache.cached_tokens == 0 and server.engine.pool.used_blocks == 0
+    hits = server.engine.counters["cached_tokens"]
+    out = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=24,
+                                    temperature=0)
+    assert out.choices[0].message.content == ref[PROMPTS[1]]
+    assert server.engine.counters["cached_tokens"] == hits           # nothing left to hit
+    assert _http(url, "POST", "/reset_prefix_cache")[0] == 200
