@@ -15,14 +15,6 @@ Three refinements, all free in bytes:
   query then moves by the same q . center, which softmax ignores, so the mean is never added
   back. Much of the embedded target's key energy is such a constant direction per head,
   energy the codes would otherwise spend their error on.
-- Keys may also be divided per channel by `scale` s before coding, and queries multiplied by
-  it (q . k = (q * s) . (k / s)). The codes' error is spread evenly over the rotated
-  coordinates, so unscaled its share in channel i goes with the whole key's energy, while a
-  score's error weighs channel i by q_i^2. With b_i = E (k_i - center_i)^2 and a_i = E q_i^2,
-  E (q . e)^2 goes as (sum_i a_i s_i^2) (sum_i b_i / s_i^2), least (by Cauchy-Schwarz) at
-  s_i = (b_i / a_i)^(1/4): channels the queries barely read give up precision to those they
-  read. On the embedded target this took turbo2.5's perplexity ratio from 1.86 to 1.62 and
-  turbo3.5's from 1.114 to 1.092 (scratch, 3-6 pydoc texts of 1024 tokens).
 - Keys get half a bit more than the rate and values half a bit less (`split_rate`): a key's
   error moves scores through softmax's exponential; a value's is only averaged.
 Each lowered the embedded target's perplexity on held-out text; what the shipped formats give
@@ -215,8 +207,7 @@ class TurboCodec:
     def __init__(self, head_dim: int, rate: float, seed: int, prod: bool = False,
                  dtype: torch.dtype = torch.float32, device="cpu"):
         D = head_dim
-        self.center = self.scale = None                       # [KVH, D] keys: set_center
-        self._qscale = None                                   # scale per query head [H, D]
+        self.center = None                                    # [KVH, D] keys: set_center
         self._program = self._op = None                       # caches: cpu_program, _op_args
         self._rt2 = self._rt2_of = self._layout = None        # caches: _pair_rt, kernel_layout
         total = round(rate * D)
@@ -259,21 +250,14 @@ class TurboCodec:
                  for (s, n, _), e in zip(self.groups, self.edges)]
         return torch.cat(parts, -1)
 
-    def set_center(self, center: torch.Tensor | None,
-                   scale: torch.Tensor | None = None) -> None:
-        """Keys only: code (x - center) / scale, both `[KVH, D]`, and read them with queries
-        times scale (see the module docstring); None: no centre, no scale."""
-        dev = self.R.device
-        self.center = None if center is None else center.to(dev, torch.float32)
-        self.scale = None if scale is None else scale.to(dev, torch.float32)
-        self._qscale = None
+    def set_center(self, center: torch.Tensor | None) -> None:
+        """Keys only: code x - center `[KVH, D]` (see the module docstring); None: x itself."""
+        self.center = None if center is None else center.to(self.R.device, torch.float32)
 
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
-        """`[..., KVH, D]` -> the float vectors the codes stand for: keys centred and scaled."""
+        """`[..., KVH, D]` -> the float vectors the codes stand for: keys centred."""
         xf = x.float()
-        if self.center is not None:
-            xf = xf - self.center
-        return xf if self.scale is None else xf / self.scale
+        return xf if self.center is None else xf - self.center
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """`[..., KVH, D]` -> `[..., KVH, nbytes]` uint8."""
@@ -444,14 +428,7 @@ class TurboCodec:
         return self._program
 
     def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
-        """q `[T, H, D]` into the keys' rotated space (times their scale first; query head h
-        reads kv head h // (H / KVH))."""
-        if self.scale is not None:
-            H = q.shape[-2]
-            if self._qscale is None or self._qscale.shape[0] != H:
-                self._qscale = self.scale.repeat_interleave(H // self.scale.shape[0], 0).to(
-                    self.dtype)
-            q = q * self._qscale
+        """q `[T, H, D]` into the keys' rotated space."""
         return q @ self.RT_
 
     def unrotate(self, o: torch.Tensor) -> torch.Tensor:

@@ -332,37 +332,23 @@ class Model:
 
     @torch.inference_mode()
     def calibrate_kv(self, ids: list[int]) -> None:
-        """Centre and scale the keys of a TurboQuant KV format from one forward of `ids` (a
-        text of no benchmark: `kv_calibration_ids`) at full precision, per layer and kv head
-        (tokens 1.., post-RoPE): the centre is the keys' mean, the scale per channel
-        (b / a)^(1/4) with b the centred keys' mean square and a the mean square of the
-        queries that read them (kv_quant's docstring says why). A no-op for other formats."""
+        """Centre the keys of a TurboQuant KV format on their per-head mean over one forward of
+        `ids` (a text of no benchmark: `kv_calibration_ids`), taken at full precision. A no-op
+        for other formats."""
         if not self.kv_codecs or not self.kv_codecs[0][0].rotated:
             return
-        L, H, KVH, D = self.num_layers, self.num_heads, self.kv_heads, self.head_dim
-        n = len(ids)
         codecs, self.kv_codecs = self.kv_codecs, None
         try:
-            pool = self.make_pool(num_blocks=n)
-            slots = torch.arange(n, device=self.device)
-            pos = torch.arange(n, device=self.device)
-            _, xs = self.forward(torch.tensor(ids, device=self.device), pos, pool,
-                                 AttnMeta.prefill(self, slots[:0], slots),
-                                 logits_idx=slice(0, 0), capture=tuple(range(L)))
+            pool = self.make_pool(num_blocks=len(ids))
+            slots = torch.arange(len(ids), device=self.device)
+            self.forward(torch.tensor(ids, device=self.device),
+                         torch.arange(len(ids), device=self.device), pool,
+                         AttnMeta.prefill(self, slots[:0], slots), logits_idx=slice(0, 0))
         finally:
             self.kv_codecs = codecs
         keys = pool.k[:, 1:, 0].float()               # [layers, tokens - 1, KVH, D] post-RoPE
-        cos, sin = self.rope(pos[1:])
-        hid = xs.shape[1] // L
-        for i, ((kc, _), k, ly) in enumerate(zip(codecs, keys, self.layers)):
-            x = xs[1:, i * hid:(i + 1) * hid]                             # layer i's input
-            q = ly.qkv(self.rms_norm(x, ly.ln1))[:, :H * D].view(-1, H, D)
-            q = apply_rope(q.float(), cos.float(), sin.float())           # [tokens - 1, H, D]
-            a = q.pow(2).mean(0).view(KVH, H // KVH, D).mean(1)           # [KVH, D]
-            mu = k.mean(0)
-            b = (k - mu).pow(2).mean(0)
-            s = (b.clamp_min(1e-12) / a.clamp_min(1e-12)).pow(0.25)
-            kc.set_center(mu, s / s.pow(2).mean(-1, keepdim=True).sqrt())
+        for (kc, _), mu in zip(codecs, keys.mean(1)):
+            kc.set_center(mu)
 
     def _stack_slots(self, meta) -> tuple | None:
         """The slot lists (idx, offs) when every row of this forward attends through the slot

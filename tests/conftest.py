@@ -34,21 +34,17 @@ def he_prompts():
     return load_prompts("humaneval")
 
 
-def tiny_hf(hidden: int = 64):
-    """A 2-layer random HF Llama (vocab 96, 4 heads over 2 kv heads of hidden / 4), seeded, so
-    every call builds the same weights."""
+def tiny_model(weights: str = "float32", kv_cache: str = "auto", hidden: int = 64):
+    """A 2-layer random Llama (vocab 96, 4 heads over 2 kv heads of hidden / 4) as our Model,
+    under a weight and a KV format; seeded, so every call builds the same weights."""
     from transformers import AutoModelForCausalLM, LlamaConfig
+    from specfork.model import Model
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=2 * hidden,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=1024, initializer_range=0.05)
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-
-
-def tiny_model(weights: str = "float32", kv_cache: str = "auto", hidden: int = 64):
-    """`tiny_hf` as our Model, under a weight and a KV format."""
-    from specfork.model import Model
-    return Model(tiny_hf(hidden), weights=weights, kv_cache=kv_cache)
+    return Model(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval(),
+                 weights=weights, kv_cache=kv_cache)
 
 
 def tree_and_steps(m, P: int = 300):
