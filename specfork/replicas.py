@@ -40,7 +40,7 @@ class Replica:
     engine, the only thread of this process that runs torch ops (see server.EngineLoop)."""
 
     def __init__(self, load, serving: dict, model_name: str, max_waiting: int, threads: int):
-        from specfork.server import Server, freeze_startup_objects
+        from specfork.server import Server, freeze_startup_objects, unfreeze
         ready: concurrent.futures.Future = concurrent.futures.Future()
 
         def main():
@@ -55,7 +55,10 @@ class Replica:
                 ready.set_exception(e)
                 return
             ready.set_result(server)
-            server.loop.run()
+            try:
+                server.loop.run()
+            finally:
+                unfreeze()
 
         threading.Thread(target=main, name="specfork-engine", daemon=True).start()
         self.server = ready.result()

@@ -555,6 +555,14 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+def unfreeze() -> None:
+    """Undo `freeze_startup_objects` before the process ends: frozen objects are never
+    collected, and native extensions that count their live objects at exit (triton's nanobind
+    bindings) would then print leak reports after the server's last line."""
+    gc.unfreeze()
+    gc.collect()
+
+
 def serve(dec, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           max_waiting: int = MAX_WAITING) -> None:
     """Run the server until interrupted: the engine on this (the main) thread, the event
@@ -573,3 +581,4 @@ def serve(dec, model_name: str, host: str = "127.0.0.1", port: int = 8000,
     finally:
         uv.should_exit = True
         web.join(timeout=30)
+        unfreeze()
