@@ -137,14 +137,15 @@ def weight_bytes(*models) -> int:
 
 def engine_weight_bytes(hf_models: list, models: list, drafter=None) -> int:
     """What our rows hold in weights: the HF weights they borrow, plus the copy of every matrix
-    our Model keeps pre-packed for oneDNN, plus a drafter's per-request vocabulary head."""
+    our Model keeps pre-packed for oneDNN, plus a drafter's vocabulary head (its rows in the
+    draft's weight format, and a request's extra rows)."""
     n = weight_bytes(*hf_models) + sum(m.packed_bytes()
                                        for m in {id(m): m for m in models}.values())
     if drafter is not None and getattr(drafter, "vocab", None) is not None:
         from specfork.types import SamplingParams
         drafter.begin([0])                       # a request builds the head on its first draft
         drafter.propose([0], 1, 1, SamplingParams())
-        n += drafter.head.w.nbytes + drafter.head.packed_bytes
+        n += drafter.head.nbytes
         drafter.end()
     return n
 

@@ -9,7 +9,8 @@ are in neither MT-bench nor HumanEval, so the reported sets stay untouched by tu
 Each config is a JSON object: mix (drafters, in order: ngram, trained, eagle), paths, len, conf
 (the trained draft's min_conf), optionally ngmin (n-gram drafter's shortest match) and vocab (the
 trained draft's output rows: the target's N most frequent tokens plus the request's; 0 or
-absent: all), dtype (the trained draft's: float16, the default, or bfloat16) and topk, depth,
+absent: all), dtype (the trained draft's format: auto, the default, as `specfork generate`
+runs it; float16, bfloat16 or int4) and topk, depth,
 tokens (the shipped EAGLE head's tree: --tree-topk, --tree-depth, --draft-tokens) and adaptive
 (true: adaptive drafting as `specfork generate` runs it; false or absent: the full budget every
 step). Greedy and
@@ -66,10 +67,10 @@ def parse_config(text: str) -> dict:
         check_tree(*tree_shape(c.get("topk"), c.get("depth"), c.get("tokens")))
     ok = ok and all(isinstance(c[k], (int, float)) for k in ("paths", "len", "conf"))
     if not ok or c["paths"] < 1 or c["len"] < 1 or not 0 <= c["conf"] < 1 \
-            or c.get("dtype", "float16") not in ("float16", "bfloat16") \
+            or c.get("dtype", "auto") not in ("auto", "float16", "bfloat16", "int4") \
             or not isinstance(c.get("adaptive", False), bool):
         raise SpecforkError(f"config {text!r}: mix of ngram/trained/eagle, paths >= 1, len >= 1, "
-                            "0 <= conf < 1, dtype float16 or bfloat16, adaptive true or false")
+                            "0 <= conf < 1, dtype auto, float16, bfloat16 or int4, adaptive true or false")
     return c
 
 
@@ -92,14 +93,15 @@ def main(argv=None):
     from specfork.drafters.model_drafter import ModelDrafter
     from specfork.drafters.ngram import NgramDrafter
     from specfork.drafters.eagle import EagleDrafter, load_shipped, tree_shape
-    from specfork.drafters.trained_draft import load_trained_draft, load_vocab
+    from specfork.drafters.registry import trained_model
+    from specfork.drafters.trained_draft import load_vocab
     from specfork.model import Model
     from specfork.loader import load_hf
 
     hf, tok = load_hf("smollm2-135m", dtype=torch.float32, device="cpu")
     model = Model(hf, weights=a.weights)
-    drafts = {dt: Model(load_trained_draft(hf, dtype=getattr(torch, dt)))
-              for dt in {c.get("dtype", "float16") for c in cfgs
+    drafts = {dt: trained_model(model, dt)
+              for dt in {c.get("dtype", "auto") for c in cfgs
                          if "trained" in c["mix"].split(",")}}
 
     eagle_head = (load_shipped(model) if any("eagle" in c["mix"].split(",") for c in cfgs)
@@ -111,7 +113,7 @@ def main(argv=None):
         if k == "eagle":
             return EagleDrafter(eagle_head, "eagle", *tree_shape(c.get("topk"), c.get("depth"),
                                                                  c.get("tokens")))
-        return ModelDrafter(drafts[c.get("dtype", "float16")], name="trained", min_conf=c["conf"],
+        return ModelDrafter(drafts[c.get("dtype", "auto")], name="trained", min_conf=c["conf"],
                             vocab=load_vocab(c["vocab"]) if c.get("vocab") else None)
 
     def make(c):

@@ -88,6 +88,24 @@ class Linear:
         return torch.addmm(x, a, self.w.t())
 
 
+class HeadRows:
+    """Some output rows as a matmul (`Model.head_rows`), `n` logits per row of x."""
+    __slots__ = ("lin", "n")
+
+    def __init__(self, lin, n: int):
+        self.lin, self.n = lin, n
+
+    def __call__(self, x: torch.Tensor, bulk: bool = False) -> torch.Tensor:
+        y = self.lin(x, bulk)
+        return y if y.shape[-1] == self.n else y[:, :self.n]
+
+    @property
+    def nbytes(self) -> int:
+        lin = self.lin
+        return (lin.w.nbytes + lin.packed_bytes + (0 if lin.b is None else lin.b.nbytes)
+                + (lin.s.nbytes if isinstance(lin, QuantLinear) else 0))
+
+
 def panel_fits(w: torch.Tensor) -> bool:
     """Whether `w` can run as panels here: float32 on a CPU whose build of the compiled ops
     has the AVX-512 kernel, outputs a multiple of 32 (SPECFORK_PANELS=0: never)."""
@@ -383,6 +401,21 @@ class Model:
                     b.append(lin.b)
             self._stacks[kinds] = (list(kinds), norms, w, s, b)
         return self._stacks[kinds]
+
+    def head_rows(self, ids: torch.Tensor) -> "HeadRows":
+        """The output layer's rows `ids` as one matmul in this model's weight format (a draft's
+        vocabulary head: logits over `ids` only). Under a low-bit format they are quantized from
+        the HF weights as lm_head's own rows are (a multiple of 16 rows, zero rows padding)."""
+        w = self.hf.lm_head.weight.detach()
+        ids = ids.to(w.device)
+        if self.weights == "float32":
+            return HeadRows(Linear(w.index_select(0, ids), pack=self.pack,
+                                   min_rows=self.packed_min_rows), len(ids))
+        rows = w.index_select(0, ids).float()
+        pad = -len(ids) % 16
+        if pad:
+            rows = torch.cat((rows, rows.new_zeros(pad, rows.shape[1])))
+        return HeadRows(QuantLinear(rows, None, HEAD_FORMAT[self.weights]), len(ids))
 
     def linears(self) -> list:
         """Every matmul of the forward (`Linear`, or `QuantLinear` under a low-bit format)."""

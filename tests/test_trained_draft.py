@@ -109,8 +109,10 @@ def test_default_mix_of_the_embedded_target_uses_the_trained_draft(smol):
     assert d.head is None                          # built on the first propose
     from specfork.types import SamplingParams
     d.propose(prompt, 1, 1, SamplingParams())
-    assert d.head.w.shape == (len(d.head_ids), model.config.hidden_size)
+    x = torch.randn(2, model.config.hidden_size)
+    assert d.head(x).shape == (2, len(d.head_ids))
     assert set(d.head_ids.tolist()) == set(d.vocab.tolist()) | set(prompt)
+    assert d.spawn()._static[0] is d._static[0]    # the vocabulary's rows: built once
     d.end()
     assert make_drafters(None, "smollm2-135m", model, 3, draft_vocab=0)[1].vocab is None
     with pytest.raises(SpecforkError):
@@ -151,3 +153,32 @@ def test_long_context_read_as_sinks_and_window(smol):
     assert r.token_ids == plain.generate(text + " List the items that cost 3 coins.",
                                          max_new_tokens=48).token_ids
     assert r.stats["target_forwards"] < 48                  # the windowed drafts are accepted
+
+
+def test_the_draft_runs_low_bit_with_a_head_of_the_vocabulary_and_the_requests_rows(smol):
+    """Where specfork's low-bit kernel runs, the trained draft's matmuls take int4 weights
+    (its layers then run as one compiled op), whatever the target's format; its output layer is
+    the vocabulary's rows (int8, as the int4 format's lm_head) then the request's own (float32):
+    each logit is the full output layer's for that token, within the 8-bit rounding."""
+    from specfork.drafters.registry import trained_drafter, trained_model
+    from specfork.types import SamplingParams
+    from specfork.weights import native
+    hf, tok, model = smol
+    m = trained_model(model)
+    assert m.weights == ("int4" if native() else "float32")
+    assert trained_model(model, "float16").dtype == torch.float16
+    d = trained_drafter(model, max_paths=1)
+    prompt = tok("zyzzyva quokka")["input_ids"]
+    assert not set(prompt) <= set(d.vocab.tolist())         # rows beyond the vocabulary
+    d.begin(prompt)
+    d.propose(prompt, 1, 1, SamplingParams())
+    x = torch.randn(4, model.config.hidden_size)
+    full = x @ d.model.hf.lm_head.weight.detach().float().T
+    got = d.head(x)
+    want = full[:, d.head_ids]
+    n = d.vocab.numel()
+    torch.testing.assert_close(got[:, n:], want[:, n:])       # the request's rows: float32
+    err = (got[:, :n] - want[:, :n]).abs().max() / want[:, :n].abs().max()
+    assert err < (0.02 if native() else 1e-6), err
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    d.end()

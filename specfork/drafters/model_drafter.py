@@ -39,6 +39,25 @@ MIN_CONF = 0.3
 SINK, WINDOW = 4, 256
 
 
+class DraftHead:
+    """Logits over a draft's head rows: its vocabulary's, then the request's extra ones."""
+    __slots__ = ("static", "extra")
+
+    def __init__(self, static, extra: Linear | None):
+        self.static, self.extra = static, extra
+
+    def __call__(self, x: torch.Tensor, bulk: bool = False) -> torch.Tensor:
+        y = self.static(x, bulk)
+        return y if self.extra is None else torch.cat((y, self.extra(x, bulk)), dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        """Weight bytes: the vocabulary's rows (shared by every request) and the extra ones."""
+        e = self.extra
+        return self.static.nbytes + (0 if e is None else e.w.nbytes + (
+            0 if e.b is None else e.b.nbytes))
+
+
 def check_min_conf(min_conf: float) -> None:
     if not 0.0 <= min_conf <= 1.0:
         raise SpecforkError(f"min_conf must be in [0, 1], got {min_conf}")
@@ -47,7 +66,8 @@ def check_min_conf(min_conf: float) -> None:
 class ModelDrafter:
     def __init__(self, model: Model, name: str = "model", max_kv_tokens: int = 8192,
                  max_paths: int = 8, max_len: int = 16, block_size: int | None = None,
-                 min_conf: float = MIN_CONF, vocab: torch.Tensor | None = None):
+                 min_conf: float = MIN_CONF, vocab: torch.Tensor | None = None,
+                 _static: list | None = None):
         check_min_conf(min_conf)
         self.model, self.name = model, name
         self.min_conf = min_conf
@@ -57,8 +77,12 @@ class ModelDrafter:
                 raise SpecforkError(f"draft vocab must be non-empty ids in [0, {model.vocab_size})")
             vocab = vocab.unique()            # a repeated row would count its token twice in q
         self.vocab = vocab                   # static head rows; None: the whole vocabulary
-        self.head: Linear | None = None      # lm_head rows of head_ids (this request)
+        self._static = _static or [None]     # their matmul, built once, shared by spawns
+        if vocab is not None and self._static[0] is None:   # here, not in a request's first
+            self._static[0] = model.head_rows(vocab)         # read, whose time is its rate
+        self.head: DraftHead | None = None   # lm_head rows of head_ids (this request)
         self.head_ids: torch.Tensor | None = None
+        self.extra_ids: torch.Tensor | None = None   # the request's own rows beyond vocab
         self.in_head: torch.Tensor | None = None   # [V] bool: which ids the head has
         block_size = block_size or model.block_size
         self._shape = (max_kv_tokens, max_paths, max_len, block_size)
@@ -92,7 +116,7 @@ class ModelDrafter:
         tree of its own."""
         kv_tokens, paths, length, bs = self._shape
         return ModelDrafter(self.model, self.name, kv_tokens, paths, length, bs, self.min_conf,
-                            self.vocab)
+                            self.vocab, self._static)
 
     # -- protocol -------------------------------------------------------------------------------
     def begin(self, prompt_ids: list[int]) -> None:
@@ -104,13 +128,14 @@ class ModelDrafter:
             self.in_head = torch.zeros(self.model.vocab_size, dtype=torch.bool)  # a request
             self.in_head[self.vocab] = True    # the controller never drafts with (a busy
             self.head_ids = self.vocab         # server) never pays for it
+            self.extra_ids = self.vocab[:0]
 
     def end(self) -> None:
         self._drop_forks()
         if self.C is not None:
             self.kv.release(self.C)
             self.C = None
-        self.head = self.head_ids = self.in_head = None
+        self.head = self.head_ids = self.in_head = self.extra_ids = None
 
     def observe(self, context: list[int]) -> None:
         """Adopt the fork that holds the longest accepted prefix; free the others."""
@@ -218,17 +243,23 @@ class ModelDrafter:
     # -- helpers --------------------------------------------------------------------------------
     def _extend_head(self, tokens: list[int]) -> None:
         """Give the head a row for every token of the context it lacks (copying a name or an
-        identifier from the prompt is what a draft predicts best); rare after the prompt."""
+        identifier from the prompt is what a draft predicts best); rare after the prompt.
+        The vocabulary's rows are one matmul in the draft's weight format, built once; the
+        request's extra rows a small float one beside it, rebuilt when they grow."""
         ids = torch.tensor(tokens, dtype=torch.long)
         new = ids[~self.in_head[ids]].unique()
         if self.head is not None and new.numel() == 0:
             return
         self.in_head[new] = True
-        self.head_ids = torch.cat([self.head_ids, new])
-        lm = self.model.lm_head
-        self.head = Linear(lm.w.index_select(0, self.head_ids.to(lm.w.device)),
-                           None if lm.b is None else lm.b[self.head_ids.to(lm.w.device)],
-                           pack=self.model.pack, min_rows=self.model.packed_min_rows)
+        self.extra_ids = torch.cat([self.extra_ids, new])
+        self.head_ids = torch.cat([self.vocab, self.extra_ids])
+        extra = None
+        if self.extra_ids.numel():
+            lm = self.model.hf.lm_head
+            at = self.extra_ids.to(lm.weight.device)
+            extra = Linear(lm.weight.detach().index_select(0, at),
+                           None if lm.bias is None else lm.bias.detach()[at])
+        self.head = DraftHead(self._static[0], extra)
 
     def _choose(self, logits: torch.Tensor, k: int, sp: SamplingParams):
         """(tokens, q, their draft probabilities). Greedy: top-k of the plain softmax,

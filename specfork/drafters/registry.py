@@ -87,17 +87,33 @@ def make_drafters(spec: str | None, target: str, model, drafts: int,
 
 def trained_drafter(model, min_conf: float | None = None, draft_vocab: int | None = None,
                     max_paths: int = 8, max_len: int = 16):
-    """The shipped distilled draft of the embedded target; fp16 on CPU, where it is cheapest;
-    its output layer keeps the `draft_vocab` (None: DRAFT_VOCAB; 0: every) most frequent
-    target tokens plus the request's own."""
-    import torch
-
+    """The shipped distilled draft of the embedded target (`trained_model`). Its output layer
+    keeps the `draft_vocab` (None: DRAFT_VOCAB; 0: every) most frequent target tokens plus the
+    request's own."""
     from specfork.drafters.model_drafter import MIN_CONF, ModelDrafter
-    from specfork.drafters.trained_draft import DRAFT_VOCAB, load_trained_draft, load_vocab
-    from specfork.model import Model
+    from specfork.drafters.trained_draft import DRAFT_VOCAB, load_vocab
     k = DRAFT_VOCAB if draft_vocab is None else draft_vocab
-    dt = torch.float16 if model.device.type == "cpu" else model.dtype
-    return ModelDrafter(Model(load_trained_draft(model.hf, dtype=dt)), name="trained",
+    return ModelDrafter(trained_model(model), name="trained",
                         min_conf=MIN_CONF if min_conf is None else min_conf,
                         vocab=load_vocab(k) if k else None,
                         max_paths=max_paths, max_len=max_len)
+
+
+def trained_model(model, fmt: str = "auto"):
+    """The trained draft as a `Model` beside the target `model`. `fmt` auto: on a CPU where
+    specfork's low-bit kernel runs, int4 weights (8-bit activations) whatever the target's
+    format: a draft only proposes, so its rounding moves acceptance, never the output, and its
+    layers then run as one compiled op, a draft step costing a fraction of what float16
+    weights through torch's matmuls cost (eval/tune_drafting.py, results/tune_draft_format*.json);
+    elsewhere float16 on a CPU, the target's dtype on a GPU. Or float16 / bfloat16 / int4."""
+    import torch
+
+    from specfork.drafters.trained_draft import load_trained_draft
+    from specfork.model import Model
+    from specfork.weights import native
+    cpu = model.device.type == "cpu"
+    if fmt == "auto":
+        fmt = "int4" if cpu and native() else "float16" if cpu else str(model.dtype)[6:]
+    if fmt == "int4":
+        return Model(load_trained_draft(model.hf, dtype=torch.float32), weights="int4")
+    return Model(load_trained_draft(model.hf, dtype=getattr(torch, fmt)))
