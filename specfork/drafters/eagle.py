@@ -35,6 +35,7 @@ from specfork.errors import SpecforkError
 from specfork.kv_tree import BlockPool, KVTree, blocks_for
 from specfork.model import Linear, Model, apply_rope, rms_norm, rope_tables
 from specfork.types import DraftPath, SamplingParams
+from specfork.weights import GROUP, LANES, QuantLinear, native
 
 EAGLE3, EAGLE1 = "eagle3", "eagle1"
 # Tree shape defaults (--tree-topk, --tree-depth, --draft-tokens), tuned for the shipped head
@@ -88,6 +89,8 @@ class EagleHead:
     gate_up: Linear
     down: Linear
     lm_head: Linear                   # eagle3: [Vd, H] own; eagle1: the target's
+    #                                   (Linear or, on a CPU with specfork's low-bit kernel,
+    #                                   QuantLinear, as every matmul of the head)
     rotary: object
     ln_in: torch.Tensor | None = None         # eagle3 only
     hidden_norm: torch.Tensor | None = None   # eagle3 only
@@ -111,6 +114,7 @@ class EagleHead:
         for lin in (self.fc, self.qkv, self.o, self.gate_up, self.down, self.lm_head):
             if lin.w.data_ptr() not in shared:
                 n += lin.w.nbytes + (0 if lin.b is None else lin.b.nbytes) + lin.packed_bytes
+                n += lin.s.nbytes if isinstance(lin, QuantLinear) else 0
         for t in (self.embed, self.ln_in, self.hidden_norm, self.ln_post, self.norm):
             if t is not None and t.data_ptr() not in shared:
                 n += t.nbytes
@@ -238,6 +242,17 @@ def load_eagle(path: str | Path, target: Model, arch: str) -> EagleHead:
     def w(t):
         return None if t is None else t.to(dev, dt)
 
+    # On a CPU where specfork's low-bit kernel runs, the head's matmuls take int4 weights (its
+    # own output layer int8, as the int4 format's lm_head): a draft only proposes, so their
+    # rounding moves acceptance, never the output, and a head step reads a sixth of the bytes
+    low = dev.type == "cpu" and dt == torch.float32 and native()
+
+    def lin(t, b=None, fmt: str = "int4"):
+        t = w(t)
+        if low and t.shape[1] % GROUP == 0 and t.shape[0] % LANES == 0:
+            return QuantLinear(t, w(b), fmt)
+        return Linear(t, w(b), pack=pack, min_rows=mr)
+
     q_in = 2 * H if arch == EAGLE3 else H
     if arch == EAGLE3:
         layer = "midlayer." if any(k.startswith("midlayer.") for k in left) else "layers.0."
@@ -271,7 +286,7 @@ def load_eagle(path: str | Path, target: Model, arch: str) -> EagleHead:
         extra = dict(ln_in=w(take(p + "input_layernorm.weight", (H,))),
                      hidden_norm=w(take(p + "hidden_norm.weight", (H,))),
                      norm=w(take("norm.weight", (H,))))
-        lm = Linear(w(take("lm_head.weight", (Vd, H))), pack=pack, min_rows=mr)
+        lm = lin(take("lm_head.weight", (Vd, H)), fmt="int8")
         full = Vd == V                           # a full-vocabulary head may omit the maps
         d2t = take("d2t", (Vd,), optional=full)
         t2d = take("t2d", (V,), optional=full)
@@ -297,11 +312,9 @@ def load_eagle(path: str | Path, target: Model, arch: str) -> EagleHead:
     return EagleHead(arch=arch, capture=capture, hidden=H, num_heads=heads, kv_heads=kvh,
                      head_dim=D, eps=float(cfg.get("rms_norm_eps", 1e-6)),
                      embed=target.embed if embed is None else w(embed),
-                     fc=Linear(w(fc_w), w(fc_b), pack=pack, min_rows=mr),
-                     qkv=Linear(w(torch.cat([qw, kw, vw])), pack=pack, min_rows=mr),
-                     o=Linear(w(ow), pack=pack, min_rows=mr), ln_post=w(ln_post),
-                     gate_up=Linear(w(torch.cat([gw, uw])), pack=pack, min_rows=mr),
-                     down=Linear(w(dw), pack=pack, min_rows=mr), lm_head=lm, rotary=rotary,
+                     fc=lin(fc_w, fc_b), qkv=lin(torch.cat([qw, kw, vw])), o=lin(ow),
+                     ln_post=w(ln_post), gate_up=lin(torch.cat([gw, uw])), down=lin(dw),
+                     lm_head=lm, rotary=rotary,
                      **extra)
 
 
