@@ -354,9 +354,13 @@ def build_rows(a, model, tok, draft_hf, draft_tag: str, longest: int) -> list[Ro
     spec1 = SpecDecoder(model, tok, [drafter], num_paths=1, draft_len=a.draft_len,
                         max_kv_tokens=room)
     # row multi runs what `specfork generate --drafts N` runs: n-gram lookup first, then the draft
-    # (the trained one in the dtype the engine picks for it: fp16 on CPU)
+    # (the trained one in the format the engine picks for it: int4 where specfork's low-bit
+    # kernel runs, else fp16 on CPU)
     engine_draft = trained_drafter(model) if draft_tag == TRAINED else drafter
-    a.multi_draft_dtype = str(engine_draft.model.dtype).split(".")[-1]
+    dm = engine_draft.model
+    a.multi_draft_dtype = (dm.weights if dm.weights != "float32"
+                           else str(dm.dtype).split(".")[-1])
+    a.multi_draft_own_embed = dm.embed.data_ptr() != model.embed.data_ptr()
     a.multi_draft_vocab = None if engine_draft.vocab is None else len(engine_draft.vocab)
     multi = SpecDecoder(model, tok, [NgramDrafter(), engine_draft], num_paths=a.paths,
                         draft_len=a.draft_len, max_kv_tokens=room, adaptive=a.adaptive)
@@ -600,8 +604,10 @@ def markdown(res: dict) -> str:
            f"have run past the {c['budget_min']:g}-minute budget)"
            if len(c["prompt_ids"]) < c["prompts_planned"] else "")
     hf_assist = ", ".join(f"{k} {v}" for k, v in c["hf_assistant"].items())
-    row9_dtype = (f" (run as the engine runs it: {c['multi_draft_dtype']}, its own copy of the "
-                  f"embeddings counted in its memory"
+    own = c.get("multi_draft_own_embed", True)
+    row9_dtype = (f" (run as the engine runs it: {c['multi_draft_dtype']}"
+                  + (", its own copy of the embeddings counted in its memory" if own else
+                     ", the target's embeddings shared")
                   + (f"; output layer over the target's {c['multi_draft_vocab']} most frequent "
                      "tokens plus the request's" if c.get("multi_draft_vocab") else "") + ")"
                   if c.get("multi_draft_dtype") not in (None, c["dtype"]) else "")
@@ -836,6 +842,7 @@ def _run(a, command: str, t_start: float, host: dict) -> int:
                    "draft_min_conf": MIN_CONF, "kv_block_size": model.block_size,
                    "multi_draft_dtype": getattr(a, "multi_draft_dtype", None),
                    "multi_draft_vocab": getattr(a, "multi_draft_vocab", None),
+                   "multi_draft_own_embed": getattr(a, "multi_draft_own_embed", True),
                    "hf_prompt_lookup_num_tokens": a.lookup_tokens,
                    "hf_assistant": assistant_settings(draft_hf),
                    "hf_assistant_ours": {"num_assistant_tokens": a.draft_len,
