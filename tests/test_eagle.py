@@ -365,3 +365,16 @@ def test_shipped_head_is_small_fast_to_load_and_drafts_the_targets_tokens(smol, 
     other = tiny_target(vocab=49152)
     with pytest.raises(DraftTargetMismatch):
         eagle.load_shipped(Model(other))
+
+
+def test_head_rope_rows_equal_the_rotary_module_at_any_position(tmp_path):
+    """The head's RoPE on a CPU comes from a table that grows by doubling; each row equals what
+    the checkpoint's rotary module gives for that position alone."""
+    from specfork.model import rope_tables
+    m = Model(tiny_target())
+    head = eagle.load_eagle(write_checkpoint(tmp_path / "ck", "eagle3"), m, eagle.EAGLE3)
+    for pos in ([3], [0, 1, 2], [700, 5, 300], [1500]):
+        p = torch.tensor(pos)
+        for got, want in zip(head.rope(p), rope_tables(head.rotary, head.embed, p)):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert head._rope[0].shape[0] >= 1501

@@ -23,6 +23,7 @@ deterministic (q = None, one-hot), which keeps sampled verification exact whatev
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +97,8 @@ class EagleHead:
     hidden_norm: torch.Tensor | None = None   # eagle3 only
     norm: torch.Tensor | None = None          # eagle3 only
     vocab_ids: torch.Tensor | None = None     # [Vd] target id of each draft row (None: same)
+    fused: bool = False               # the target's fused small ops (low-bit CPU) serve it too
+    _rope: tuple | None = None        # CPU: cos, sin_signed rows by position (`rope`)
 
     @property
     def device(self) -> torch.device:
@@ -137,13 +140,12 @@ class EagleHead:
         H, KVH, D = self.num_heads, self.kv_heads, self.head_dim
         e = self.embed[tokens]
         if self.arch == EAGLE3:
-            inp = torch.cat((rms_norm(e, self.ln_in, self.eps),
-                             rms_norm(h, self.hidden_norm, self.eps)), dim=-1)
+            inp = torch.cat((self._norm(e, self.ln_in), self._norm(h, self.hidden_norm)), dim=-1)
             resid = h
         else:
             inp = resid = self.fc(torch.cat((e, h), dim=-1))
         qkv = self.qkv(inp)
-        cos, sin = rope_tables(self.rotary, self.embed, positions)
+        cos, sin = self.rope(positions)
         qk = apply_rope(qkv[:, :(H + KVH) * D].view(T, H + KVH, D), cos, sin)
         q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, (H + KVH) * D:].view(T, KVH, D)
@@ -152,10 +154,35 @@ class EagleHead:
         vf.index_copy_(0, meta.write, v)
         a = meta.attend(q, k, v, kf, vf, self.head_dim ** -0.5)
         x = self.o.add_to(resid, a.reshape(T, H * D))
-        g, u = self.gate_up(rms_norm(x, self.ln_post, self.eps)).chunk(2, dim=-1)
-        x = self.down.add_to(x, F.silu(g) * u)
+        gu = self.gate_up(self._norm(x, self.ln_post))
+        if self.fused:
+            x = self.down.add_to(x, torch.ops.specfork.silu_mul(gu))
+        else:
+            g, u = gu.chunk(2, dim=-1)
+            x = self.down.add_to(x, F.silu(g) * u)
         y = x if logits_idx is None else x[logits_idx]
-        return x, self.lm_head(rms_norm(y, self.norm, self.eps) if self.arch == EAGLE3 else y)
+        return x, self.lm_head(self._norm(y, self.norm) if self.arch == EAGLE3 else y)
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return torch.ops.specfork.rms_norm(x, w, self.eps)
+        return rms_norm(x, w, self.eps)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin_signed `[T, 1, D]` at `positions`: on a CPU, rows of a table that grows by
+        doubling, as `Model.rope` keeps the target's (HF's rotary module is a dozen small ops a
+        call, three calls per draft tree); RoPE types whose frequencies follow the sequence
+        length keep the module."""
+        kind = str(getattr(self.rotary, "rope_type", "default"))
+        if positions.device.type != "cpu" or "dynamic" in kind or kind == "longrope" \
+                or positions.numel() == 0:
+            return rope_tables(self.rotary, self.embed, positions)
+        last = int(positions.max())
+        n = 0 if self._rope is None else self._rope[0].shape[0]
+        if last >= n:
+            self._rope = rope_tables(self.rotary, self.embed,
+                                     torch.arange(max(2 * n, last + 1, 256)))
+        return self._rope[0][positions], self._rope[1][positions]
 
 
 # -- checkpoints -------------------------------------------------------------------------------
@@ -315,6 +342,7 @@ def load_eagle(path: str | Path, target: Model, arch: str) -> EagleHead:
                      fc=lin(fc_w, fc_b), qkv=lin(torch.cat([qw, kw, vw])), o=lin(ow),
                      ln_post=w(ln_post), gate_up=lin(torch.cat([gw, uw])), down=lin(dw),
                      lm_head=lm, rotary=rotary,
+                     fused=low and os.environ.get("SPECFORK_FUSED_OPS", "1") != "0",
                      **extra)
 
 
