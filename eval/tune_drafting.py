@@ -70,7 +70,8 @@ def parse_config(text: str) -> dict:
             or c.get("dtype", "auto") not in ("auto", "float16", "bfloat16", "int4") \
             or not isinstance(c.get("adaptive", False), bool):
         raise SpecforkError(f"config {text!r}: mix of ngram/trained/eagle, paths >= 1, len >= 1, "
-                            "0 <= conf < 1, dtype auto, float16, bfloat16 or int4, adaptive true or false")
+                            "0 <= conf < 1, dtype auto, float16, bfloat16 or int4, adaptive "
+                            "true or false")
     return c
 
 

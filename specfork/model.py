@@ -73,6 +73,11 @@ class Linear:
         p = self.packed if self.panel is None else self.panel
         return 0 if p is None else p.numel() * p.element_size()
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes it holds: weights, bias and the pre-packed copy."""
+        return self.w.nbytes + (0 if self.b is None else self.b.nbytes) + self.packed_bytes
+
     def add_to(self, x: torch.Tensor, a: torch.Tensor, bulk: bool = False) -> torch.Tensor:
         """x + self(a): the residual add folded into the matmul."""
         exact = self.exact and not bulk
@@ -101,9 +106,7 @@ class HeadRows:
 
     @property
     def nbytes(self) -> int:
-        lin = self.lin
-        return (lin.w.nbytes + lin.packed_bytes + (0 if lin.b is None else lin.b.nbytes)
-                + (lin.s.nbytes if isinstance(lin, QuantLinear) else 0))
+        return self.lin.nbytes            # (a QuantLinear here has no bias)
 
 
 def panel_fits(w: torch.Tensor) -> bool:
@@ -204,6 +207,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return torch.addcmul(x * cos, rot, sin_signed)
 
 
+def rope_dynamic(rotary) -> bool:
+    """RoPE whose frequencies follow the sequence length (dynamic NTK, LongRoPE): no table."""
+    kind = str(getattr(rotary, "rope_type", "default"))
+    return "dynamic" in kind or kind == "longrope"
+
+
+def rope_rows(rotary, ref: torch.Tensor, table: tuple | None, positions: torch.Tensor):
+    """(table, cos, sin_signed `[T, 1, D]`) at `positions [T]` (T > 0) from `table`, rows of
+    `rope_tables` by position, grown by doubling when a position lies past its end: HF's rotary
+    module is a dozen small ops a call, and its values are elementwise in the position, so a
+    table row equals the module's output for that position alone (not for `rope_dynamic`)."""
+    T = positions.shape[0]
+    p0 = int(positions[0])
+    last = p0 if T == 1 else int(positions.max())
+    n = 0 if table is None else table[0].shape[0]
+    if last >= n:
+        cos, sin = rope_tables(rotary, ref, torch.arange(n, max(2 * n, last + 1, 256)))
+        table = (cos, sin) if table is None else (
+            torch.cat((table[0], cos)), torch.cat((table[1], sin)))
+    if T == 1:                                       # a decode step: views, no copy
+        return table, table[0][p0:p0 + 1], table[1][p0:p0 + 1]
+    return table, table[0][positions], table[1][positions]
+
+
 def rope_tables(rotary, ref: torch.Tensor, positions: torch.Tensor):
     """cos, sin_signed `[T, 1, D]` from an HF rotary module itself (covers Llama 3.1 scaling
     etc.; `ref` gives dtype and device); sin_signed = cat(-sin[:D/2], sin[D/2:]) for
@@ -272,8 +299,7 @@ class Model:
         self.embed = body.embed_tokens.weight
         self.norm = body.norm.weight
         self.rotary = body.rotary_emb
-        rope_type = str(getattr(self.rotary, "rope_type", "default"))
-        self._rope_dynamic = "dynamic" in rope_type or rope_type == "longrope"
+        self._rope_dynamic = rope_dynamic(self.rotary)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None    # CPU: `rope`'s table
         self.dtype, self.device = self.embed.dtype, self.embed.device
 
@@ -435,25 +461,13 @@ class Model:
                          device=self.device, codecs=self.kv_codecs)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin_signed `[T, 1, D]` at `positions`. On a CPU, rows of a table that grows
-        by doubling: HF's rotary module is a dozen small ops a step, and its values are
-        elementwise in the position, so a table row equals the module's output for that
-        position alone (RoPE types whose frequencies follow the sequence length, dynamic NTK
-        and LongRoPE, keep the module)."""
-        T = positions.shape[0]
-        if positions.device.type != "cpu" or self._rope_dynamic or T == 0:
+        """cos, sin_signed `[T, 1, D]` at `positions`: on a CPU, rows of this model's table
+        (`rope_rows`); RoPE types whose frequencies follow the sequence length, and GPUs, call
+        the module."""
+        if positions.device.type != "cpu" or self._rope_dynamic or positions.shape[0] == 0:
             return rope_tables(self.rotary, self.embed, positions)
-        p0 = int(positions[0])
-        last = p0 if T == 1 else int(positions.max())
-        n = 0 if self._rope is None else self._rope[0].shape[0]
-        if last >= n:
-            cos, sin = rope_tables(self.rotary, self.embed,
-                                   torch.arange(n, max(2 * n, last + 1, 256)))
-            self._rope = (cos, sin) if self._rope is None else (
-                torch.cat((self._rope[0], cos)), torch.cat((self._rope[1], sin)))
-        if T == 1:                                   # a decode step: views, no copy
-            return self._rope[0][p0:p0 + 1], self._rope[1][p0:p0 + 1]
-        return self._rope[0][positions], self._rope[1][positions]
+        self._rope, cos, sin = rope_rows(self.rotary, self.embed, self._rope, positions)
+        return cos, sin
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, pool: BlockPool,

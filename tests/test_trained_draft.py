@@ -172,13 +172,14 @@ def test_the_draft_runs_low_bit_with_a_head_of_the_vocabulary_and_the_requests_r
     assert not set(prompt) <= set(d.vocab.tolist())         # rows beyond the vocabulary
     d.begin(prompt)
     d.propose(prompt, 1, 1, SamplingParams())
-    x = torch.randn(4, model.config.hidden_size)
-    full = x @ d.model.hf.lm_head.weight.detach().float().T
-    got = d.head(x)
+    x = torch.randn(4, model.config.hidden_size, dtype=m.dtype)   # float16 where not native
+    full = x.float() @ d.model.hf.lm_head.weight.detach().float().T
+    got = d.head(x).float()
     want = full[:, d.head_ids]
     n = d.vocab.numel()
-    torch.testing.assert_close(got[:, n:], want[:, n:])       # the request's rows: float32
+    tol = {} if native() else {"rtol": 1e-2, "atol": 1e-2}       # float16 rows there
+    torch.testing.assert_close(got[:, n:], want[:, n:], **tol)  # the request's rows: float
     err = (got[:, :n] - want[:, :n]).abs().max() / want[:, :n].abs().max()
-    assert err < (0.02 if native() else 1e-6), err
+    assert err < (0.02 if native() else 1e-2), err
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     d.end()

@@ -34,7 +34,8 @@ from specfork.attention import AttnMeta
 from specfork.engine import DEFAULT_KV_TOKENS
 from specfork.errors import SpecforkError
 from specfork.kv_tree import BlockPool, KVTree, blocks_for
-from specfork.model import Linear, Model, apply_rope, rms_norm, rope_tables
+from specfork.model import (Linear, Model, apply_rope, rms_norm, rope_dynamic, rope_rows,
+                            rope_tables)
 from specfork.types import DraftPath, SamplingParams
 from specfork.weights import GROUP, LANES, QuantLinear, native
 
@@ -116,8 +117,8 @@ class EagleHead:
         n = 0
         for lin in (self.fc, self.qkv, self.o, self.gate_up, self.down, self.lm_head):
             if lin.w.data_ptr() not in shared:
-                n += lin.w.nbytes + (0 if lin.b is None else lin.b.nbytes) + lin.packed_bytes
-                n += lin.s.nbytes if isinstance(lin, QuantLinear) else 0
+                n += lin.nbytes + (lin.b.nbytes if isinstance(lin, QuantLinear)
+                                   and lin.b is not None else 0)     # its nbytes: codes, scales
         for t in (self.embed, self.ln_in, self.hidden_norm, self.ln_post, self.norm):
             if t is not None and t.data_ptr() not in shared:
                 n += t.nbytes
@@ -169,20 +170,13 @@ class EagleHead:
         return rms_norm(x, w, self.eps)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin_signed `[T, 1, D]` at `positions`: on a CPU, rows of a table that grows by
-        doubling, as `Model.rope` keeps the target's (HF's rotary module is a dozen small ops a
-        call, three calls per draft tree); RoPE types whose frequencies follow the sequence
-        length keep the module."""
-        kind = str(getattr(self.rotary, "rope_type", "default"))
-        if positions.device.type != "cpu" or "dynamic" in kind or kind == "longrope" \
-                or positions.numel() == 0:
+        """cos, sin_signed `[T, 1, D]` at `positions`, as `Model.rope` gives the target's: on a
+        CPU, rows of the head's own table (`rope_rows`; the module is a dozen small ops a call,
+        several calls per draft tree)."""
+        if positions.device.type != "cpu" or rope_dynamic(self.rotary) or positions.numel() == 0:
             return rope_tables(self.rotary, self.embed, positions)
-        last = int(positions.max())
-        n = 0 if self._rope is None else self._rope[0].shape[0]
-        if last >= n:
-            self._rope = rope_tables(self.rotary, self.embed,
-                                     torch.arange(max(2 * n, last + 1, 256)))
-        return self._rope[0][positions], self._rope[1][positions]
+        self._rope, cos, sin = rope_rows(self.rotary, self.embed, self._rope, positions)
+        return cos, sin
 
 
 # -- checkpoints -------------------------------------------------------------------------------

@@ -53,9 +53,7 @@ class DraftHead:
     @property
     def nbytes(self) -> int:
         """Weight bytes: the vocabulary's rows (shared by every request) and the extra ones."""
-        e = self.extra
-        return self.static.nbytes + (0 if e is None else e.w.nbytes + (
-            0 if e.b is None else e.b.nbytes))
+        return self.static.nbytes + (0 if self.extra is None else self.extra.nbytes)
 
 
 def check_min_conf(min_conf: float) -> None:
