@@ -113,6 +113,18 @@ def _shared_rows(L, T, causal, gen, S=200):
     return torch.cat([pre] + tails), offs, [torch.cat((pre, t)) for t in tails]
 
 
+def _check_rows(q, k, v, idx, offs, lists, d):
+    """The op's rows equal torch's attention within rounding, and each row's bits are those it
+    computes alone over its own list."""
+    out = op.slot_attention(q, k, v, idx, offs, d ** -0.5)
+    torch.testing.assert_close(out, op.slot_attention_ref(q, k.float(), v.float(), idx, offs,
+                                                          d ** -0.5), atol=2e-5, rtol=2e-5)
+    for r, ix in enumerate(lists):
+        alone = op.slot_attention(q[r:r + 1], k, v, ix, torch.tensor([0, ix.numel()]),
+                                  d ** -0.5)
+        assert torch.equal(alone[0], out[r])
+
+
 @settings(max_examples=60, deadline=None)
 @given(_shared_case(), st.booleans())
 def test_rows_sharing_one_list_compute_each_rows_own_bits(case, half):
@@ -127,13 +139,7 @@ def test_rows_sharing_one_list_compute_each_rows_own_bits(case, half):
         k, v = k.half(), v.half()
     q = torch.randn(T, kvh * g, d, generator=gen) * 3
     idx, offs, lists = _shared_rows(L, T, causal, gen, S)
-    out = op.slot_attention(q, k, v, idx, offs, d ** -0.5)
-    torch.testing.assert_close(out, op.slot_attention_ref(q, k.float(), v.float(), idx, offs,
-                                                          d ** -0.5), atol=2e-5, rtol=2e-5)
-    for r, ix in enumerate(lists):
-        alone = op.slot_attention(q[r:r + 1], k, v, ix, torch.tensor([0, ix.numel()]),
-                                  d ** -0.5)
-        assert torch.equal(alone[0], out[r])
+    _check_rows(q, k, v, idx, offs, lists, d)
     if d % 16 == 0:           # TurboQuant rows: the same two stretches, joined per row
         from specfork.kv_quant import TurboCodec
         kc, vc = TurboCodec(d, 4, seed=seed), TurboCodec(d, 4, seed=seed + 1)
@@ -200,3 +206,26 @@ def test_switched_off_by_the_environment():
                        timeout=300)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "5"
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 3), st.sampled_from([64, 128]),
+       st.lists(st.integers(1, 1300), min_size=1, max_size=3), st.integers(0, 2), st.booleans(),
+       st.integers(0, 2 ** 16))
+def test_long_rows_are_split_in_chunks_and_keep_their_own_bits(kvh, g, d, lens, tree, half, seed):
+    """Lists past one softmax chunk (512 keys) are scored and summed chunk by chunk over both
+    threads and joined: still torch's attention within rounding, and a row's bits still its
+    own whether it runs alone, in a batch, or as a tree row over a shared prefix (offs [R, 4])
+    or a prompt chunk's causal row."""
+    gen = torch.Generator().manual_seed(seed)
+    S = 1400
+    k, v = torch.randn(S, kvh, d, generator=gen), torch.randn(S, kvh, d, generator=gen)
+    if half:
+        k, v = k.half(), v.half()
+    if tree:                  # rows over one long prefix, then their own ancestors
+        idx, offs, lists = _shared_rows(lens[0], 5, tree == 2, gen, S)
+    else:
+        lists = [torch.randint(0, S, (n,), generator=gen) for n in lens]
+        idx, offs = torch.cat(lists), torch.tensor([0] + lens).cumsum(0)
+    q = torch.randn(len(lists), kvh * g, d, generator=gen) * 3
+    _check_rows(q, k, v, idx, offs, lists, d)

@@ -8,7 +8,9 @@
 // tree (each over its prefix and its own ancestors) and a whole batch of requests: no gather
 // copies, no padding, and a row's result depends only on its own query and slot list, never on
 // which other rows share the call, so a request computes the same bits batched or alone and a
-// tree row the same bits as the decode step at its position.
+// tree row the same bits as the decode step at its position. Lists longer than one chunk
+// (kChunk keys) are scored and summed a chunk at a time, the chunks joined in order, so one
+// long row spreads over every thread and rows sharing a prefix read each chunk of it together.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -276,33 +278,37 @@ struct Shared {
   int64_t a, n, kt;                       // list idx[a : a + n), its copy at kt (floats)
 };
 
-// The row/head loop over pools of element type T (float32, or float16 widened as read).
+#if defined(__AVX512F__)
+// Keys per softmax chunk. A row's list is scored and summed in chunks of kChunk keys from its
+// start, each chunk with its own max and sum, and the chunks then joined in order (the split of
+// flash-decoding): one long row (a decode step over thousands of tokens) keeps every thread
+// busy, rows that share a prefix (a verify tree, a prompt chunk) read each chunk of it while it
+// sits in cache, and a row's bits still depend only on its own list, never on the call. A list
+// of at most kChunk keys is one chunk: one softmax over the whole row.
+constexpr int64_t kChunk = 512;
+constexpr int64_t kRowBlock = 8;         // rows of one shared list scored together per chunk
+
+// One unit of work: rows [r0, r1) (one row, or rows sharing one list), kv head h, chunk c.
+struct ChunkItem {
+  int64_t r0, r1, h, c, work;
+};
+
+// Scratch that lives across calls (a call per layer per step): large buffers allocated anew
+// each call were page-faulted in each call.
+static std::vector<float>& scratch(int which, size_t n) {
+  static thread_local std::vector<float> buf[2];
+  if (buf[which].size() < n) buf[which].resize(n);
+  return buf[which];
+}
+
 template <class T>
-static void attend_rows(const float* qp, const T* kp, const T* vp, const int64_t* ip,
-                        const std::vector<RowSlots>& rows, float* outp, int64_t H, int64_t D,
-                        int64_t KVH, double scale) {
+static void attend_chunks(const float* qp, const T* kp, const T* vp, const int64_t* ip,
+                          const std::vector<RowSlots>& rows, float* outp, int64_t H, int64_t D,
+                          int64_t KVH, double scale) {
   const int G = (int)(H / KVH);
-  const int64_t kstride = KVH * D, R = (int64_t)rows.size();
-#if defined(__AVX512F__)
-  const bool vec = D % 16 == 0 && D <= 256;
-#else
-  const bool vec = false;
-#endif
-  if (!vec) {
-    each_row_head(KVH, ip, rows, [&](int64_t r, int64_t h, const int64_t* ix, int64_t n,
-                                     std::vector<float>& s) {
-      const float* qr = qp + (r * H + h * G) * D;
-      float* orow = outp + (r * H + h * G) * D;
-      s.resize((size_t)(G * n));
-      float z[64];
-      scores_ref(qr, G, D, kp + h * D, kstride, ix, n, (int)D, (float)scale, s.data());
-      for (int g = 0; g < G; ++g) z[g] = softmax_ref(s.data() + g * n, n);
-      weighted_ref(s.data(), z, G, vp + h * D, kstride, ix, n, (int)D, orow, D);
-    });
-    return;
-  }
-#if defined(__AVX512F__)
-  // runs of >= 2 consecutive rows with one first-stretch start and a full key block each
+  const int64_t kstride = KVH * D, R = (int64_t)rows.size(), ss = kChunk + 16;
+  // runs of >= 2 consecutive rows with one first-stretch start and a full key block each share
+  // one transposed copy of that stretch's keys
   std::vector<int64_t> group((size_t)R, -1);
   std::vector<Shared> shared;
   int64_t kt_floats = 0, blocks = 0;
@@ -322,7 +328,7 @@ static void attend_rows(const float* qp, const T* kp, const T* vp, const int64_t
       r = std::max(e, r + 1);
     }
   }
-  std::vector<float> kt((size_t)kt_floats);
+  float* kt = scratch(0, (size_t)kt_floats).data();
   if (!shared.empty()) {                  // (list, kv head, block) items, all the same size
     std::vector<std::pair<int64_t, int64_t>> first;   // (list, its first block)
     for (size_t i = 0, b = 0; i < shared.size(); b += (shared[i].n + 15) / 16, ++i)
@@ -337,32 +343,148 @@ static void attend_rows(const float* qp, const T* kp, const T* vp, const int64_t
         const Shared& sh = shared[it->first];
         const int64_t nbl = (sh.n + 15) / 16;
         transpose_block(kp + h * D, kstride, ip + sh.a, sh.n, gb - it->second, (int)D,
-                        kt.data() + sh.kt + h * nbl * 16 * D);
+                        kt + sh.kt + h * nbl * 16 * D);
       }
     });
   }
-  for_each_item(rows, KVH, [&](int64_t r, int64_t h, std::vector<float>& s,
-                               std::vector<int64_t>&) {
-    const RowSlots& x = rows[r];
-    const int64_t n1 = x.b - x.a, n2 = x.d - x.c, n = n1 + n2, ss = (n + 15) / 16 * 16 + 16;
-    const float* qr = qp + (r * H + h * G) * D;
-    float* orow = outp + (r * H + h * G) * D;
-    const T* kh = kp + h * D;
-    s.resize((size_t)(G * ss));
-    if (group[r] >= 0) {
-      const Shared& sh = shared[group[r]];
-      const int64_t nbl = (sh.n + 15) / 16;
-      scores_t(qr, G, D, kt.data() + sh.kt + h * nbl * 16 * D, (n1 + 15) / 16, (int)D,
-               (float)scale, s.data(), ss);
-    } else {
-      scores(qr, G, D, kh, kstride, ip + x.a, n1, (int)D, (float)scale, s.data(), ss);
+  // rows over more than one chunk keep each chunk's (max, sum, unnormalised output) to join
+  std::vector<int64_t> pbase((size_t)R, -1);
+  int64_t parts = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = rows[r].size();
+    if (n > kChunk) {
+      pbase[r] = parts;
+      parts += (n + kChunk - 1) / kChunk;
     }
-    if (n2) scores(qr, G, D, kh, kstride, ip + x.c, n2, (int)D, (float)scale, s.data() + n1, ss);
-    float z[64];
-    for (int g = 0; g < G; ++g) z[g] = softmax_unnormed(s.data() + g * ss, n);
-    weighted_values(s.data(), ss, z, G, vp + h * D, kstride, ip + x.a, n1, ip + x.c, n2, (int)D,
-                    orow, D);
+  }
+  float* pacc = scratch(1, (size_t)(parts * KVH * G * (D + 2))).data();
+  float* pmax = pacc + parts * KVH * G * D;
+  float* psum = pmax + parts * KVH * G;
+  std::vector<ChunkItem> items;
+  for (int64_t r0 = 0; r0 < R;) {
+    int64_t r1 = r0 + 1;
+    if (group[r0] >= 0)
+      while (r1 < R && r1 - r0 < kRowBlock && group[r1] == group[r0]) ++r1;
+    int64_t n = 0;
+    for (int64_t r = r0; r < r1; ++r) n = std::max(n, rows[r].size());
+    for (int64_t c = 0; c * kChunk < n; ++c) {
+      int64_t work = 0;
+      for (int64_t r = r0; r < r1; ++r)
+        work += std::max<int64_t>(0, std::min(kChunk, rows[r].size() - c * kChunk));
+      for (int64_t h = 0; h < KVH; ++h) items.push_back({r0, r1, h, c, work});
+    }
+    r0 = r1;
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const ChunkItem& x, const ChunkItem& y) { return x.work > y.work; });
+  const float one[64] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f,
+                         1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f,
+                         1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f,
+                         1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f,
+                         1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
+  std::atomic<int64_t> next{0};
+  const int64_t nt = std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), (int64_t)items.size()));
+  at::parallel_for(0, nt, 1, [&](int64_t, int64_t) {
+    std::vector<float> sbuf((size_t)(G * ss));
+    float* s = sbuf.data();
+    for (int64_t i; (i = next.fetch_add(1)) < (int64_t)items.size();) {
+      const ChunkItem& it = items[i];
+      const int64_t h = it.h, lo = it.c * kChunk;
+      const T* kh = kp + h * D;
+      for (int64_t r = it.r0; r < it.r1; ++r) {
+        const RowSlots& x = rows[r];
+        const int64_t n1 = x.b - x.a, n = x.size();
+        if (lo >= n) continue;
+        const int64_t hi = std::min(lo + kChunk, n), m = hi - lo;
+        const int64_t m1 = std::max<int64_t>(0, std::min(hi, n1) - lo);  // first stretch
+        const int64_t m2 = m - m1;                                         // second stretch
+        const int64_t* ix1 = ip + x.a + lo;
+        const int64_t* ix2 = ip + x.c + std::max<int64_t>(0, lo - n1);
+        const float* qr = qp + (r * H + h * G) * D;
+        if (m1 && group[r] >= 0) {
+          const Shared& sh = shared[group[r]];
+          const int64_t nbl = (sh.n + 15) / 16;
+          scores_t(qr, G, D, kt + sh.kt + (h * nbl + lo / 16) * 16 * D, (m1 + 15) / 16, (int)D,
+                   (float)scale, s, ss);
+        } else if (m1) {
+          scores(qr, G, D, kh, kstride, ix1, m1, (int)D, (float)scale, s, ss);
+        }
+        if (m2) scores(qr, G, D, kh, kstride, ix2, m2, (int)D, (float)scale, s + m1, ss);
+        float z[64], mx[64];
+        for (int g = 0; g < G; ++g) z[g] = softmax_unnormed(s + g * ss, m, mx + g);
+        if (n <= kChunk) {
+          weighted_values(s, ss, z, G, vp + h * D, kstride, ix1, m1, ix2, m2, (int)D,
+                          outp + (r * H + h * G) * D, D);
+        } else {
+          const int64_t at = (pbase[r] + it.c) * KVH + h;
+          weighted_values(s, ss, one, G, vp + h * D, kstride, ix1, m1, ix2, m2, (int)D,
+                          pacc + at * G * D, D);
+          std::copy(mx, mx + G, pmax + at * G);
+          std::copy(z, z + G, psum + at * G);
+        }
+      }
+    }
   });
+  if (parts == 0) return;
+  // join the chunks of long rows, in chunk order: weights e^(max_c - max), one division
+  at::parallel_for(0, R * KVH, 1, [&](int64_t x0, int64_t x1) {
+    for (int64_t x = x0; x < x1; ++x) {
+      const int64_t r = x / KVH, h = x % KVH;
+      if (pbase[r] < 0) continue;
+      const int64_t nc = (rows[r].size() + kChunk - 1) / kChunk;
+      for (int g = 0; g < G; ++g) {
+        auto at = [&](int64_t c) { return (pbase[r] + c) * KVH + h; };
+        float mall = -INFINITY;
+        for (int64_t c = 0; c < nc; ++c) mall = std::max(mall, pmax[at(c) * G + g]);
+        float zall = 0.f;
+        float* o = outp + (r * H + h * G + g) * D;
+        for (int64_t c = 0; c < nc; ++c) {
+          const float w = std::exp(pmax[at(c) * G + g] - mall);
+          zall += w * psum[at(c) * G + g];
+          const float* a = pacc + (at(c) * G + g) * D;
+          const __m512 wv = _mm512_set1_ps(w);
+          for (int64_t d = 0; d < D; d += 16) {
+            const __m512 prev = c ? _mm512_loadu_ps(o + d) : _mm512_setzero_ps();
+            _mm512_storeu_ps(o + d, _mm512_fmadd_ps(wv, _mm512_loadu_ps(a + d), prev));
+          }
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / zall);
+        for (int64_t d = 0; d < D; d += 16)
+          _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
+      }
+    }
+  });
+}
+#endif
+
+// The row/head loop over pools of element type T (float32, or float16 widened as read).
+template <class T>
+static void attend_rows(const float* qp, const T* kp, const T* vp, const int64_t* ip,
+                        const std::vector<RowSlots>& rows, float* outp, int64_t H, int64_t D,
+                        int64_t KVH, double scale) {
+  const int G = (int)(H / KVH);
+  const int64_t kstride = KVH * D;
+#if defined(__AVX512F__)
+  const bool vec = D % 16 == 0 && D <= 256;
+#else
+  const bool vec = false;
+#endif
+  if (!vec) {
+    each_row_head(KVH, ip, rows, [&](int64_t r, int64_t h, const int64_t* ix, int64_t n,
+                                     std::vector<float>& s) {
+      const float* qr = qp + (r * H + h * G) * D;
+      float* orow = outp + (r * H + h * G) * D;
+      s.resize((size_t)(G * n));
+      float z[64];
+      scores_ref(qr, G, D, kp + h * D, kstride, ix, n, (int)D, (float)scale, s.data());
+      for (int g = 0; g < G; ++g) z[g] = softmax_ref(s.data() + g * n, n);
+      weighted_ref(s.data(), z, G, vp + h * D, kstride, ix, n, (int)D, orow, D);
+    });
+    return;
+  }
+#if defined(__AVX512F__)
+  attend_chunks(qp, kp, vp, ip, rows, outp, H, D, KVH, scale);
 #endif
 }
 

@@ -25,13 +25,14 @@ static inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// s <- exp(s - max s), returns the sum (in 16 lanes, then across them).
-static inline float softmax_unnormed(float* s, int64_t n) {
+// s <- exp(s - max s), returns the sum (in 16 lanes, then across them); the max in *max_out.
+static inline float softmax_unnormed(float* s, int64_t n, float* max_out = nullptr) {
   __m512 mx = _mm512_set1_ps(-INFINITY);
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
   float m = _mm512_reduce_max_ps(mx);
   for (; j < n; ++j) m = std::max(m, s[j]);
+  if (max_out) *max_out = m;
   const __m512 mv = _mm512_set1_ps(m);
   __m512 sum = _mm512_setzero_ps();
   for (j = 0; j + 16 <= n; j += 16) {
