@@ -36,6 +36,8 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
     ("profile_step", ["--tokens", "1"], "--tokens must be >= 2"),
     ("bench_kv_quant", ["--formats", "float32,turbo9"], "unknown KV cache format 'turbo9'"),
     ("bench_kv_quant", ["--prompts", "0"], "must be positive"),
+    ("bench_slot_attention", ["--rows", "2,4"], "--rows includes 1"),
+    ("bench_slot_attention", ["--prefixes", "300,x"], "comma-separated integers"),
 ])
 def test_bad_input_is_one_line(script, args, needle):
     p = subprocess.run([sys.executable, str(ROOT / "eval" / f"{script}.py"), *args],
@@ -115,6 +117,25 @@ def test_bench_prefill_end_to_end(tmp_path):
         assert set(r["prefill_s"]) == {"hf", "causal_sdpa", "cascade"}
         assert set(r["decode_step_ms"]) == {"hf", "run_view", "gathered"}
         assert all(v > 0 for v in (*r["prefill_s"].values(), *r["decode_step_ms"].values()))
+
+
+def test_bench_slot_attention_end_to_end(tmp_path):
+    """bench_slot_attention at two short prefixes: a cell per (prefix, rows), each timed, one
+    row the unit of its prefix, and the command that reproduces it."""
+    from specfork.kernels import slot_attention as slot_op
+    if not slot_op.available(64):
+        pytest.skip("no compiled slot op here")
+    args = ["--prefixes", "20,40", "--rows", "1,3", "--reps", "1", "--out", str(tmp_path / "s")]
+    p = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_slot_attention.py"), *args],
+                       capture_output=True, text=True, timeout=300, env=ENV)
+    assert p.returncode == 0, p.stderr
+    res = json.loads((tmp_path / "s.json").read_text())
+    assert res["command"] == "python eval/bench_slot_attention.py " + shlex.join(args)
+    assert [(c["prefix"], c["rows"]) for c in res["cells"]] == [(20, 1), (20, 3), (40, 1),
+                                                                (40, 3)]
+    assert all(c["ms"] > 0 for c in res["cells"])
+    assert [c["vs_one_row"] for c in res["cells"] if c["rows"] == 1] == [1.0, 1.0]
+    assert "| 40 |" in (tmp_path / "s.md").read_text()
 
 
 def test_bench_prefill_low_bit(tmp_path):

@@ -128,7 +128,7 @@ def _check_rows(q, k, v, idx, offs, lists, d):
 @settings(max_examples=60, deadline=None)
 @given(_shared_case(), st.booleans())
 def test_rows_sharing_one_list_compute_each_rows_own_bits(case, half):
-    """Rows that read stretches of one list (offs [R, 4]; from 2 rows with 16 slots each they
+    """Rows that read stretches of one list (offs [R, 4]; from 9 rows with 16 slots each they
     score it through one transposed copy of its keys) give, bit for bit, what each row gives
     alone over its own list, and torch's attention within rounding."""
     kvh, g, d, L, T, causal, seed = case
@@ -223,7 +223,7 @@ def test_long_rows_are_split_in_chunks_and_keep_their_own_bits(kvh, g, d, lens, 
     if half:
         k, v = k.half(), v.half()
     if tree:                  # rows over one long prefix, then their own ancestors
-        idx, offs, lists = _shared_rows(lens[0], 5, tree == 2, gen, S)
+        idx, offs, lists = _shared_rows(lens[0], 10, tree == 2, gen, S)   # 9+: shared copy
     else:
         lists = [torch.randint(0, S, (n,), generator=gen) for n in lens]
         idx, offs = torch.cat(lists), torch.tensor([0] + lens).cumsum(0)

@@ -287,6 +287,11 @@ struct Shared {
 // of at most kChunk keys is one chunk: one softmax over the whole row.
 constexpr int64_t kChunk = 512;
 constexpr int64_t kRowBlock = 8;         // rows of one shared list scored together per chunk
+// Rows sharing a list take its transposed copy from this many on (a prompt chunk's rows):
+// building the copy cost more than it saved for a verify tree of up to 8 rows, which read the
+// pool's own rows, cached after the first (`python eval/bench_slot_attention.py`: 2 rows over
+// 300 keys 2.9x one row with the copy, 1.4x without; 8 rows over 3000 keys 4.3x and 3.4x).
+constexpr int64_t kSharedRows = 9;
 
 // One unit of work: rows [r0, r1) (one row, or rows sharing one list), kv head h, chunk c.
 struct ChunkItem {
@@ -307,8 +312,8 @@ static void attend_chunks(const float* qp, const T* kp, const T* vp, const int64
                           int64_t KVH, double scale) {
   const int G = (int)(H / KVH);
   const int64_t kstride = KVH * D, R = (int64_t)rows.size(), ss = kChunk + 16;
-  // runs of >= 2 consecutive rows with one first-stretch start and a full key block each share
-  // one transposed copy of that stretch's keys
+  // runs of >= kSharedRows consecutive rows with one first-stretch start and a full key block
+  // each share one transposed copy of that stretch's keys
   std::vector<int64_t> group((size_t)R, -1);
   std::vector<Shared> shared;
   int64_t kt_floats = 0, blocks = 0;
@@ -318,7 +323,7 @@ static void attend_chunks(const float* qp, const T* kp, const T* vp, const int64
       n = std::max(n, rows[e].b - rows[e].a);
       ++e;
     }
-    if (e - r >= 2) {
+    if (e - r >= kSharedRows) {
       for (int64_t i = r; i < e; ++i) group[i] = (int64_t)shared.size();
       shared.push_back({rows[r].a, n, kt_floats});
       kt_floats += (n + 15) / 16 * 16 * D * KVH;
