@@ -25,6 +25,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
     ("run_table", ["--beams", "0"], "--beams must be positive"),
     ("bench_tree_attention", ["--trees", "1"], "--trees must be >= 2"),
     ("bench_long", ["--per-bucket", "0"], "must be positive"),
+    ("bench_long", ["--reps", "0"], "must be positive"),
     ("bench_long", ["--buckets", "<=256,huge"], "--buckets: unknown ['huge']"),
     ("bench_long", ["--weights", "int3"], "unknown format 'int3'"),
     ("bench_prefill", ["--lengths", "100,x"], "--lengths: not a list of integers"),
@@ -85,7 +86,8 @@ def test_bench_long_end_to_end(tmp_path, weights):
     step."""
     stem = tmp_path / "long"
     args = ["--buckets", "<=256", "--per-bucket", "1", "--max-new-tokens", "12",
-            "--weights", weights, "--out", str(stem)]
+            "--weights", weights, "--out", str(stem)] + (["--reps", "2"] if weights == "auto"
+                                                         else [])
     p = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_long.py"), *args],
                        capture_output=True, text=True, timeout=600, env=ENV)
     assert p.returncode == 0, p.stderr
@@ -94,6 +96,7 @@ def test_bench_long_end_to_end(tmp_path, weights):
     assert res["all_exact"] and res["leaked_blocks"] == 0
     assert res["config"]["checked_against"] == ("HF greedy" if weights == "float32" else
                                                 "plain decoding (ours)")
+    assert res["config"]["reps"] == (2 if weights == "auto" else 1)
     (row,) = res["prompts"]
     assert row["bucket"] == "<=256" and row["prompt_tokens"] <= 256
     assert all(len(v) == row["spec"]["steps"] for v in row["spec"]["depth"].values())
