@@ -207,6 +207,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return torch.addcmul(x * cos, rot, sin_signed)
 
 
+def fused_ops_enabled() -> bool:
+    """The fused small-op switch (norms, RoPE, SiLU-mul; SPECFORK_FUSED_OPS=0: off), shared by
+    the Model and the EAGLE head, which runs them under its own int4 weights."""
+    return os.environ.get("SPECFORK_FUSED_OPS", "1") != "0"
+
+
 def rope_dynamic(rotary) -> bool:
     """RoPE whose frequencies follow the sequence length (dynamic NTK, LongRoPE): no table."""
     kind = str(getattr(rotary, "rope_type", "default"))
@@ -352,7 +358,7 @@ class Model:
         # Under specfork's low-bit kernels the layers' small ops run fused
         # (`kernels/layer_ops.cpp`), in the Python loop and the compiled one alike; float32 keeps
         # torch's, whose bits match HF's. SPECFORK_FUSED_OPS=0 turns it off.
-        self.fused_ops = (os.environ.get("SPECFORK_FUSED_OPS", "1") != "0" and low
+        self.fused_ops = (fused_ops_enabled() and low
                           and self.head_dim % 32 == 0
                           and all(getattr(ly, f).bits for ly in self.layers for f in MATMULS))
         self._stacks: dict = {}                 # matmul kinds -> layer_stack's weight lists

@@ -23,7 +23,6 @@ deterministic (q = None, one-hot), which keeps sampled verification exact whatev
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +33,8 @@ from specfork.attention import AttnMeta
 from specfork.engine import DEFAULT_KV_TOKENS
 from specfork.errors import SpecforkError
 from specfork.kv_tree import BlockPool, KVTree, blocks_for
-from specfork.model import (Linear, Model, apply_rope, rms_norm, rope_dynamic, rope_rows,
-                            rope_tables)
+from specfork.model import (Linear, Model, apply_rope, fused_ops_enabled, rms_norm,
+                            rope_dynamic, rope_rows, rope_tables)
 from specfork.types import DraftPath, SamplingParams
 from specfork.weights import GROUP, LANES, QuantLinear, native
 
@@ -336,7 +335,7 @@ def load_eagle(path: str | Path, target: Model, arch: str) -> EagleHead:
                      fc=lin(fc_w, fc_b), qkv=lin(torch.cat([qw, kw, vw])), o=lin(ow),
                      ln_post=w(ln_post), gate_up=lin(torch.cat([gw, uw])), down=lin(dw),
                      lm_head=lm, rotary=rotary,
-                     fused=low and os.environ.get("SPECFORK_FUSED_OPS", "1") != "0",
+                     fused=low and fused_ops_enabled(),
                      **extra)
 
 

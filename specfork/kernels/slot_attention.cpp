@@ -10,7 +10,8 @@
 // which other rows share the call, so a request computes the same bits batched or alone and a
 // tree row the same bits as the decode step at its position. Lists longer than one chunk
 // (kChunk keys) are scored and summed a chunk at a time, the chunks joined in order, so one
-// long row spreads over every thread and rows sharing a prefix read each chunk of it together.
+// long row spreads over every thread and a prompt chunk's rows read each chunk of their list
+// together.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -282,15 +283,17 @@ struct Shared {
 // Keys per softmax chunk. A row's list is scored and summed in chunks of kChunk keys from its
 // start, each chunk with its own max and sum, and the chunks then joined in order (the split of
 // flash-decoding): one long row (a decode step over thousands of tokens) keeps every thread
-// busy, rows that share a prefix (a verify tree, a prompt chunk) read each chunk of it while it
-// sits in cache, and a row's bits still depend only on its own list, never on the call. A list
+// busy, rows that share a transposed copy (a prompt chunk's, kSharedRows) read each chunk of it
+// while it sits in cache, and a row's bits still depend only on its own list, never on the
+// call. A list
 // of at most kChunk keys is one chunk: one softmax over the whole row.
 constexpr int64_t kChunk = 512;
 constexpr int64_t kRowBlock = 8;         // rows of one shared list scored together per chunk
 // Rows sharing a list take its transposed copy from this many on (a prompt chunk's rows):
 // building the copy cost more than it saved for a verify tree of up to 8 rows, which read the
-// pool's own rows, cached after the first (`python eval/bench_slot_attention.py`: 2 rows over
-// 300 keys 2.9x one row with the copy, 1.4x without; 8 rows over 3000 keys 4.3x and 3.4x).
+// pool's own rows, cached after the first (scratch runs of `python eval/bench_slot_attention.py`
+// with either threshold: 2 rows over 300 keys 2.9x one row with the copy, 1.4x without; 8 rows
+// over 3000 keys 4.3x and 3.4x).
 constexpr int64_t kSharedRows = 9;
 
 // One unit of work: rows [r0, r1) (one row, or rows sharing one list), kv head h, chunk c.
@@ -382,11 +385,8 @@ static void attend_chunks(const float* qp, const T* kp, const T* vp, const int64
   }
   std::stable_sort(items.begin(), items.end(),
                    [](const ChunkItem& x, const ChunkItem& y) { return x.work > y.work; });
-  const float one[64] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f,
-                         1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f,
-                         1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f,
-                         1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f,
-                         1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
+  float one[64];                          // a chunk's sums stay unnormalised until the join
+  std::fill(one, one + 64, 1.f);
   std::atomic<int64_t> next{0};
   const int64_t nt = std::max<int64_t>(
       1, std::min<int64_t>(at::get_num_threads(), (int64_t)items.size()));
