@@ -68,7 +68,7 @@ def _args(argv):
                         "eagle3:PATH or eagle:PATH (published EAGLE-3 / EAGLE-1 checkpoints)")
     p.add_argument("--draft-len", type=int, default=4, help="tokens per draft path (ours)")
     p.add_argument("--no-adaptive", dest="adaptive", action="store_false",
-                   help="rows multi, eagle, eagle_ngram draft their full budget every step "
+                   help="rows spec1, multi, eagle, eagle_ngram draft their full budget every step "
                         "(default: adaptive drafting, as `specfork generate` runs)")
     p.add_argument("--lookup-tokens", type=int, default=10,
                    help="HF prompt_lookup_num_tokens (HF's documented example value)")
@@ -346,17 +346,18 @@ def build_rows(a, model, tok, draft_hf, draft_tag: str, longest: int) -> list[Ro
     draft_model = model if self_draft else Model(draft_hf)
     L = longest + a.max_new_tokens
     room = L + (a.paths + 1) * (a.draft_len + 32)
-    # one draft model drafter, shared by rows spec1 and multi (begin() resets it per request)
+    # the draft model as a drafter in the peers' format (a draft other than the trained one)
     drafter = ModelDrafter(draft_model, "draft", max_kv_tokens=room,
                            max_paths=max(a.paths, 1), max_len=a.draft_len)
     seq = SpecDecoder(model, tok, max_kv_tokens=room)
     beam_dec = SpecDecoder(model, tok, max_kv_tokens=a.beams * (L + 32))
-    spec1 = SpecDecoder(model, tok, [drafter], num_paths=1, draft_len=a.draft_len,
-                        max_kv_tokens=room)
-    # row multi runs what `specfork generate --drafts N` runs: n-gram lookup first, then the draft
-    # (the trained one in the format the engine picks for it: int4 where specfork's low-bit
-    # kernel runs, else fp16 on CPU)
+    # rows spec1 and multi run what `specfork generate --drafts N [--drafter trained]` runs (one
+    # drafter shared; begin() resets it per request): the trained draft in the format the engine
+    # picks for it (int4 where specfork's low-bit kernel runs, else fp16 on CPU), beside HF
+    # assisted generation with the same trained weights in HF's format, the target's dtype
     engine_draft = trained_drafter(model) if draft_tag == TRAINED else drafter
+    spec1 = SpecDecoder(model, tok, [engine_draft], num_paths=1, draft_len=a.draft_len,
+                        max_kv_tokens=room, adaptive=a.adaptive)
     dm = engine_draft.model
     a.multi_draft_dtype = (dm.weights if dm.weights != "float32"
                            else str(dm.dtype).split(".")[-1])
@@ -374,7 +375,6 @@ def build_rows(a, model, tok, draft_hf, draft_tag: str, longest: int) -> list[Ro
 
     wt, wd = weight_bytes(hf), weight_bytes(hf, draft_hf)             # peers: HF's weights
     ot = engine_weight_bytes([hf], [model])                            # ours: + packed copies
-    od = engine_weight_bytes([hf, draft_hf], [model, draft_model])
     om = engine_weight_bytes([hf, engine_draft.model.hf], [model, engine_draft.model],
                              engine_draft)
     tag = f" [{draft_tag}]"
@@ -397,7 +397,7 @@ def build_rows(a, model, tok, draft_hf, draft_tag: str, longest: int) -> list[Ro
         Row("hf_beam", f"HF beam search, width {W} (peer)", W, True, wt,
             peer(hf, probe, num_beams=W, num_return_sequences=1, length_penalty=1.0,
                  early_stopping=False), "beam"),
-        Row("spec1", "speculative decoding, 1 draft path (ours)" + tag, 1, False, od,
+        Row("spec1", "speculative decoding, 1 draft path (ours)" + tag, 1, False, om,
             ours(spec1), "greedy", reserved=reserved_bytes(spec1)),
         Row("hf_assisted", "HF assisted generation, same draft (peer)" + tag, 1, True, wd,
             peer(hf, probe, draft_probe, stream=True, assistant_model=assistant), "greedy"),
@@ -605,11 +605,12 @@ def markdown(res: dict) -> str:
            if len(c["prompt_ids"]) < c["prompts_planned"] else "")
     hf_assist = ", ".join(f"{k} {v}" for k, v in c["hf_assistant"].items())
     own = c.get("multi_draft_own_embed", True)
-    row9_dtype = (f" (run as the engine runs it: {c['multi_draft_dtype']}"
+    engine_fmt = (f" as the engine runs it ({c['multi_draft_dtype']}"
                   + (", its own copy of the embeddings counted in its memory" if own else
                      ", the target's embeddings shared")
                   + (f"; output layer over the target's {c['multi_draft_vocab']} most frequent "
-                     "tokens plus the request's" if c.get("multi_draft_vocab") else "") + ")"
+                     "tokens plus the request's" if c.get("multi_draft_vocab") else "")
+                  + "; HF assisted runs the same weights in the target's dtype)"
                   if c.get("multi_draft_dtype") not in (None, c["dtype"]) else "")
     lines = [
         f"Target `{c['target']}` ({c['dtype']}, {c['device']}) · draft: {c['draft']} · "
@@ -618,9 +619,11 @@ def markdown(res: dict) -> str:
         "",
         f"Ours: KV blocks of {c.get('kv_block_size', '?')} token(s); draft paths of up to "
         f"{c['draft_len']} tokens, a model-draft path stopping once the draft's probability of it "
-        f"falls below {c.get('draft_min_conf', '?')}; row {ROW_KEYS.index('multi') + 1} splits "
-        f"{c['draft_paths']} paths "
-        f"between n-gram lookup and the model draft{row9_dtype}. HF assisted (row "
+        f"falls below {c.get('draft_min_conf', '?')}; rows {ROW_KEYS.index('spec1') + 1} and "
+        f"{ROW_KEYS.index('multi') + 1} run the model draft{engine_fmt}, drafting "
+        f"{'adaptively' if c.get('adaptive_drafting', True) else 'at a fixed budget'}, and row "
+        f"{ROW_KEYS.index('multi') + 1} splits {c['draft_paths']} paths "
+        f"between n-gram lookup and the model draft. HF assisted (row "
         f"{ROW_KEYS.index('hf_assisted') + 1}): {hf_assist}, HF's own settings for this "
         f"assistant. "
         f"HF prompt lookup: "
