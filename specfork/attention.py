@@ -121,6 +121,29 @@ class AttnMeta:
         return cls._build(model, T, prefix, write, tree_mask=tree_mask, prefix_mask=prefix_mask)
 
     @classmethod
+    def lists(cls, model, prefixes: list[torch.Tensor], write: torch.Tensor) -> "AttnMeta":
+        """One new token per branch (beams): row r reads its branch's prefix `prefixes[r]`,
+        then its own slot `write[r]`, through the slot op (`uses_slot_op(model)`), so each row
+        computes as a lone decode step of its branch would, and the forward can run as the
+        compiled layer loop. The slots every branch starts with (the prompt, the beams' common
+        start) are listed once and read together."""
+        pre = [p.cpu().long() for p in prefixes]
+        m = min(p.numel() for p in pre)
+        head = pre[0][:m]
+        for p in pre[1:]:
+            differ = torch.nonzero(p[:m] != head)
+            if differ.numel():
+                m = int(differ[0])
+                head = head[:m]
+        w = write.cpu().long()
+        tails = [torch.cat((p[m:], w[r:r + 1])) for r, p in enumerate(pre)]
+        n = torch.tensor([t.numel() for t in tails])
+        ends = m + n.cumsum(0)
+        offs = torch.stack((torch.zeros_like(n), torch.full_like(n, m), ends - n, ends), dim=1)
+        return cls(ROWS, m, *_to_device(model.device, head, write),
+                   slots=(torch.cat([head] + tails), offs))
+
+    @classmethod
     def _build(cls, model, T: int, prefix: torch.Tensor, write: torch.Tensor | None,
                write_src: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
                prefix_mask: torch.Tensor | None = None, causal: bool = False) -> "AttnMeta":

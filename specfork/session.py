@@ -15,7 +15,7 @@ import torch
 from specfork.engine import Engine, check_token_ids
 from specfork.errors import SpecforkError
 from specfork.kv_tree import Branch, BranchReleased, KVTree
-from specfork.attention import AttnMeta, causal_mask
+from specfork.attention import AttnMeta, causal_mask, uses_slot_op
 from specfork.model import Model
 from specfork.sampling import check_sampling, pick, sampling_params
 
@@ -43,9 +43,12 @@ def forward_branches(model: Model, kv: KVTree, branches: list[Branch],
     tokens = torch.tensor([t for f in feeds for t in f])
     T = tokens.numel()
     last = torch.tensor(lens).cumsum(0) - 1
+    # one token per branch (beam search): each row over its own slot list through the slot op
+    lists = [kv.slots(b) for b in branches] if (
+        len(branches) > 1 and T == len(branches) and uses_slot_op(model)) else None
     if len(branches) == 1:
         prefix, pmask = kv.slots(branches[0]), None
-    else:
+    elif lists is None:
         prefix, pmask = gather_prefix(kv, branches)
         if T != len(branches):
             pmask = pmask.repeat_interleave(torch.tensor(lens), dim=0)
@@ -63,6 +66,8 @@ def forward_branches(model: Model, kv: KVTree, branches: list[Branch],
     try:
         if len(branches) == 1:                   # a causal chain after the branch's prefix
             meta = AttnMeta.prefill(model, prefix, write)
+        elif lists is not None:
+            meta = AttnMeta.lists(model, lists, write)
         else:                                    # block-diagonal causal: own feed only
             seg = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
             tree = (None if T == len(branches)  # one token each: it sees itself

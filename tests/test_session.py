@@ -172,3 +172,37 @@ def test_embedded_branches_equal_independent_runs(smol, mt_prompts):
     for h in (root, a, b, c, d):
         s.release(h)
     assert dec.pool.used_blocks == 0
+
+
+@pytest.mark.parametrize("bs", [1, 16])
+def test_one_token_per_branch_rows_equal_each_branch_alone(tiny, bs, monkeypatch):
+    """Beam search's step: branches that share a prompt and part of their tokens, one new token
+    each, in one forward. Through the slot op (each row over its own slot list, the shared start
+    listed once) each branch's logits equal its lone forward (SpecDecoder's decode path) bit for
+    bit; on the gathered-prefix path (no slot op here) to float32 rounding."""
+    from specfork import attention
+    from specfork.kv_tree import KVTree
+    from specfork.session import forward_branches
+    kv = KVTree(tiny.make_pool(num_blocks=256 // bs + 32, block_size=bs))
+    root = kv.new_branch()
+    forward_branches(tiny, kv, [root], [_ids(21, 7)])
+    mid = kv.fork(root)
+    forward_branches(tiny, kv, [mid], [[5, 6, 7]])          # a start two branches share
+    branches = [kv.fork(root), kv.fork(mid), kv.fork(mid), kv.fork(root)]
+    for b, t in zip(branches, ([1, 2], [8], [9, 4, 4], [3])):
+        forward_branches(tiny, kv, [b], [t])
+    alone = [kv.fork(b) for b in branches]
+    took = []
+    lists = attention.AttnMeta.lists.__func__
+    monkeypatch.setattr(attention.AttnMeta, "lists",
+                        classmethod(lambda cls, *a: took.append(1) or lists(cls, *a)))
+    feeds = [[11], [12], [13], [11]]
+    together = forward_branches(tiny, kv, branches, feeds)
+    assert bool(took) == attention.uses_slot_op(tiny)
+    for i, (a, f) in enumerate(zip(alone, feeds)):
+        one = forward_branches(tiny, kv, [a], [f])[0]
+        assert (torch.equal(together[i], one) if took else
+                torch.allclose(together[i], one, atol=1e-4)), i
+    for b in [root, mid] + branches + alone:
+        kv.release(b)
+    assert kv.pool.used_blocks == 0
