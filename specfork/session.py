@@ -2,8 +2,10 @@
 prefix blocks, generate() runs on any branch, release() frees what no other branch reads.
 
 `forward_branches` is the batched primitive shared with beam search and MCTS: several branches
-take new tokens in one forward, the union of their prefixes gathered once (a block that several
-branches read is gathered once, not once per branch).
+take new tokens in one forward. One token each (a beam-search step) on a CPU with the slot op:
+every row reads its own branch's slots in place (the start they share listed once), as its lone
+decode step would; otherwise the union of their prefixes is gathered once (a block that several
+branches read is gathered once, not once per branch) under a per-row mask.
 """
 from __future__ import annotations
 
