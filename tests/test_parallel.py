@@ -151,11 +151,19 @@ sys.exit(run_command("specfork", body))
 """
 
 
+def _sigint_default():
+    """Rank 0 starts as from a terminal, Ctrl-C at its default: a suite launched in the
+    background (`pytest &` from a script) has SIGINT ignored, a child inherits that, and Python
+    then installs no KeyboardInterrupt handler, so the Ctrl-C test waited on a rank 0 that could
+    not hear it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(tiny_dir):
     env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
     p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(LOOP.format(target=tiny_dir))],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         env=env)
+                         env=env, preexec_fn=_sigint_default)
     worker = int(p.stdout.readline())
     time.sleep(1.0)                                  # well into the generation loop
     return p, worker
