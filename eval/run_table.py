@@ -343,19 +343,21 @@ def build_rows(a, model, tok, draft_hf, draft_tag: str, longest: int) -> list[Ro
 
     hf = model.hf
     self_draft = draft_hf is hf
-    draft_model = model if self_draft else Model(draft_hf)
     L = longest + a.max_new_tokens
     room = L + (a.paths + 1) * (a.draft_len + 32)
-    # the draft model as a drafter in the peers' format (a draft other than the trained one)
-    drafter = ModelDrafter(draft_model, "draft", max_kv_tokens=room,
-                           max_paths=max(a.paths, 1), max_len=a.draft_len)
     seq = SpecDecoder(model, tok, max_kv_tokens=room)
     beam_dec = SpecDecoder(model, tok, max_kv_tokens=a.beams * (L + 32))
     # rows spec1 and multi run what `specfork generate --drafts N [--drafter trained]` runs (one
     # drafter shared; begin() resets it per request): the trained draft in the format the engine
     # picks for it (int4 where specfork's low-bit kernel runs, else fp16 on CPU), beside HF
-    # assisted generation with the same trained weights in HF's format, the target's dtype
-    engine_draft = trained_drafter(model) if draft_tag == TRAINED else drafter
+    # assisted generation with the same trained weights in HF's format, the target's dtype; any
+    # other draft (or the target drafting for itself) as a Model of the HF draft
+    if draft_tag == TRAINED:
+        engine_draft = trained_drafter(model)
+    else:
+        engine_draft = ModelDrafter(model if self_draft else Model(draft_hf), "draft",
+                                    max_kv_tokens=room, max_paths=max(a.paths, 1),
+                                    max_len=a.draft_len)
     spec1 = SpecDecoder(model, tok, [engine_draft], num_paths=1, draft_len=a.draft_len,
                         max_kv_tokens=room, adaptive=a.adaptive)
     dm = engine_draft.model

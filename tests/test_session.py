@@ -196,22 +196,21 @@ def test_one_token_per_branch_rows_equal_each_branch_alone(tiny, bs, monkeypatch
     lists = attention.AttnMeta.lists.__func__
     monkeypatch.setattr(attention.AttnMeta, "lists",
                         classmethod(lambda cls, *a: took.append(1) or lists(cls, *a)))
-    feeds = [[11], [12], [13], [11]]
-    together = forward_branches(tiny, kv, branches, feeds)
+
+    def check(branches, copies, feeds):
+        together = forward_branches(tiny, kv, branches, feeds)
+        for i, (a, f) in enumerate(zip(copies, feeds)):
+            one = forward_branches(tiny, kv, [a], [f])[0]
+            assert (torch.equal(together[i], one) if took else
+                    torch.allclose(together[i], one, atol=1e-4)), i
+
+    check(branches, alone, [[11], [12], [13], [11]])
     assert bool(took) == attention.uses_slot_op(tiny)
-    for i, (a, f) in enumerate(zip(alone, feeds)):
-        one = forward_branches(tiny, kv, [a], [f])[0]
-        assert (torch.equal(together[i], one) if took else
-                torch.allclose(together[i], one, atol=1e-4)), i
     # branches with no start in common (agents' unrelated contexts): nothing listed once
     other = kv.new_branch()
     forward_branches(tiny, kv, [other], [_ids(9, 8)])
     pair, copies = [branches[0], other], [kv.fork(branches[0]), kv.fork(other)]
-    together = forward_branches(tiny, kv, pair, [[4], [5]])
-    for i, (a, f) in enumerate(zip(copies, [[4], [5]])):
-        one = forward_branches(tiny, kv, [a], [f])[0]
-        assert (torch.equal(together[i], one) if took else
-                torch.allclose(together[i], one, atol=1e-4)), i
+    check(pair, copies, [[4], [5]])
     for b in [root, mid, other] + branches + alone + copies:
         kv.release(b)
     assert kv.pool.used_blocks == 0
