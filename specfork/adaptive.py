@@ -9,7 +9,9 @@ A plan gives each drafter a depth (0: it does not draft this step). Its value:
   taking drafters as independent, each one's chance the product of its per-depth acceptance
   rates; `kappa` (measured over the request: accepted / predicted) corrects that guess.
 - Acceptance rates are decayed counts (`decay` per step), so they follow the text: a copying
-  phase lifts n-gram lookup, free prose drops it.
+  phase lifts n-gram lookup, free prose drops it. Depth 1 starts from the prior; a deeper
+  depth's rate (given the tokens before it accepted) leans on the depth above it until its own
+  counts outweigh that, so a drafter measured right at depth 1 is tried deeper.
 - Draft seconds are each drafter's measured propose + observe time; verify seconds come from the
   `CostModel` (timed tree sizes plus the request's own offset, and what a step that verifies a
   tree costs beyond its forward: building, verifying and freeing it). Tree rows are each
@@ -29,7 +31,10 @@ probe after which it is still not worth its cost doubles that wait (up to `PROBE
 and the wait is at least long enough (even past `PROBE_MAX`) that what probes cost beyond
 decode steps (a model draft's catch-up read, its forward, the tree's rows) stays under
 `EXPLORE` of the time, so a drafter that never pays (a slow draft beside a fast low-bit target)
-costs ever less. Between probes such a drafter is not weighed at all: its estimates do not move
+costs ever less. Its first probe in a request is instead due once it may take `EXPLORE` of what
+the request has left: a prior-based plan keeps a model draft out from the first step beside a
+fast target, and waiting on elapsed time (while the read it must catch up grows with every
+step) never came due within a short request, so a text the draft predicts well went unused. Between probes such a drafter is not weighed at all: its estimates do not move
 while it does not draft.
 
 Planning itself must be cheap next to a decode step (a few ms on a 2-core CPU with int4 weights):
@@ -77,9 +82,10 @@ class _Track:
         self.max_depth, self.tree = depth, tree
         self.flat = tree or flat                  # its cost does not grow with depth
         self.widths = 1 if tree else max(1, widths)
-        # [w][k]: at width w (1-based), depth k (index 0 unused)
-        self.acc = [[PRIOR[0]] * (depth + 1) for _ in range(self.widths + 1)]
-        self.rej = [[PRIOR[1]] * (depth + 1) for _ in range(self.widths + 1)]
+        # [w][k]: at width w (1-based), depth k (index 0 unused); the prior is in the counts
+        # at depth 1 only (deeper depths lean on the depth above them: `chance`)
+        self.acc = [[0.0, PRIOR[0]] + [0.0] * (depth - 1) for _ in range(self.widths + 1)]
+        self.rej = [[0.0, PRIOR[1]] + [0.0] * (depth - 1) for _ in range(self.widths + 1)]
         self.hit = 1.0                            # P(it proposes anything)
         self.width = [float(w) for w in range(self.widths + 1)]   # [w]: rows per depth when
         #                                           asked for w paths (a tree: nodes per depth)
@@ -93,6 +99,8 @@ class _Track:
         #                                           its last probe paid); else only its
         #                                           probes weigh it again (its estimates do
         #                                           not move while it does not draft)
+        self.measured = False                     # it has drafted (verified) in this request:
+        #                                           its acceptance is its own, not the prior
         self.read_rate = 0.0                      # seconds per token of a long catch-up read
         self.read_timed = False
 
@@ -110,9 +118,16 @@ class _Track:
     def chance(self, depth: int, share: int = 1) -> list[float]:
         """P(its k-th token is accepted) for k = 1..depth, asked for `share` paths."""
         acc, rej = self.acc[self._w(share)], self.rej[self._w(share)]
-        out, p = [], self.hit
+        out, p, rate = [], self.hit, 0.0
         for k in range(1, min(depth, self.max_depth) + 1):
-            p *= acc[k] / (acc[k] + rej[k])
+            # P(k-th accepted | the k-1 before it were): depth 1 from its counts (with the
+            # prior), a deeper one shrunk towards the depth above it rather than towards the
+            # prior. A drafter drafts deeper only where its deeper tokens look worth their cost,
+            # so those counts come slowly; a draft whose first token is right 9 times in 10
+            # rarely drops to a coin toss on its second (measured: it rises)
+            w = 0.0 if k == 1 else sum(PRIOR)
+            rate = (acc[k] + w * rate) / (acc[k] + rej[k] + w)
+            p *= rate
             out.append(p)
         return out
 
@@ -297,6 +312,8 @@ class DraftController:
             return False
         step = self.cost.seconds(1, False)
         over = (t.read_cost(self.lags[i]) or 0.0) + t.cost(1) + self.cost.seconds(2, True) - step
+        if not t.measured and over <= EXPLORE * self.left * step:
+            return True           # its first probe in this request: EXPLORE of what is left
         return t.idle * EXPLORE * step >= over
 
     def _best(self, forced: list[int], ctx=None) -> tuple[list[int], float, int]:
@@ -397,6 +414,7 @@ class DraftController:
         gained = False
         for t, k, paths, s, asked in zip(self.tracks, depths, proposals, seconds, self.asked):
             t.idle = 0 if k else t.idle + 1
+            t.measured |= bool(k) and paths is not None
             if paths is not None:
                 gained |= t.score(paths, emitted, asked) > 0
                 t.time(s, paths)

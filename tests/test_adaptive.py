@@ -314,3 +314,45 @@ def test_calibration_times_every_size_and_frees_its_blocks():
     table = cost_model.calibrate(model, kv, max_rows=16, reps=1)
     assert sorted(table) == [1, 2, 4, 8, 12, 16] and all(t > 0 for t in table.values())
     assert kv.pool.used_blocks == 0
+
+
+def test_deeper_depths_lean_on_the_depth_above():
+    """A drafter asked one token deep, and right every time, has no counts deeper down: its
+    second token's chance follows its first's, not the prior's coin toss (with which a
+    prior-led plan never drafts it deeper)."""
+    t = adaptive._Track(4, tree=False)
+    for _ in range(20):
+        t.score([[5]], [5, 6])
+    c = t.chance(4)
+    assert c[0] > 0.9 and c[1] / c[0] > 0.8 and c[3] > 0.5, c
+    for _ in range(20):                      # now measured deeper: its own counts decide
+        t.score([[5, 7]], [5, 6])
+    c = t.chance(4)
+    assert c[0] > 0.9 and c[1] / c[0] < 0.3, c
+
+
+def test_a_costly_drafter_out_from_the_first_step_is_probed_early_in_its_request():
+    """Beside a fast target a model draft (timed in an earlier request: 0.2 steps a depth,
+    its catch-up read 0.025 steps a token) loses the first plan to a cheap lookup, and then
+    sits out. Its first probe is due on what the request has left: a wait on elapsed time
+    would not come due in 128 tokens, as the read it must catch up on (the prompt, then every
+    token it sat out) grows with the wait. Where it is right, it drafts from then on."""
+    look = Scripted("lookup", None)
+    look.flat_cost = True
+    ctl = DraftController([look, Scripted("m", None)], draft_len=4, cost=_cost(), probe=8)
+    lk, m = ctl.tracks
+    lk.seconds, lk.timed = 1e-4, True
+    m.seconds, m.timed = 0.2, True
+    m.read_rate, m.read_timed = 0.025, True
+    lag, first = 50, None
+    for s in range(128):
+        ctl.lags, ctl.left = [0, lag], 128 - s
+        depths = ctl.plan()
+        k = depths[1]
+        first = s if k and first is None else first
+        props = [[[9] * 4], [[5] * k] if k else None]
+        ctl.update(depths, props, [1e-4, 0.2 * k], [5] * (k + 1), 1 + sum(depths),
+                   1.0 + 0.1 * sum(depths))
+        lag = 2 if k else lag + 1
+    assert ctl.trace[0][0] and not ctl.trace[0][1] and first is not None and first <= 12, (first, ctl.trace)
+    assert all(row[1] > 1 for row in ctl.trace[-20:]), ctl.trace[-20:]
