@@ -34,8 +34,9 @@ decode steps (a model draft's catch-up read, its forward, the tree's rows) stays
 costs ever less. Its first probe in a request is instead due once it may take `EXPLORE` of what
 the request has left: a prior-based plan keeps a model draft out from the first step beside a
 fast target, and waiting on elapsed time (while the read it must catch up grows with every
-step) never came due within a short request, so a text the draft predicts well went unused. Between probes such a drafter is not weighed at all: its estimates do not move
-while it does not draft.
+step) never came due within a short request, so a text the draft predicts well went unused.
+Between probes such a drafter is not weighed at all: its estimates do not move while it does
+not draft.
 
 Planning itself must be cheap next to a decode step (a few ms on a 2-core CPU with int4 weights):
 the depths of the path drafters are walked in one pass per drafter set and path budget, and
