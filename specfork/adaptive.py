@@ -49,7 +49,8 @@ import copy
 import math
 from itertools import combinations
 
-PRIOR = (1.0, 1.0)               # Beta prior of each depth's acceptance (accepted, rejected)
+PRIOR = (1.0, 1.0)               # Beta prior of depth 1's acceptance (accepted, rejected)
+LEAN = sum(PRIOR)                # weight of the depth above in a deeper depth's rate
 DECAY = 0.9                      # weight of past observations per new one
 PROBE = 8                        # steps a costly drafter may stay out before it is tried again
 PROBE_MAX = 128                  # the longest wait, after probes that did not pay
@@ -126,7 +127,7 @@ class _Track:
             # prior. A drafter drafts deeper only where its deeper tokens look worth their cost,
             # so those counts come slowly; a draft whose first token is right 9 times in 10
             # rarely drops to a coin toss on its second (measured: it rises)
-            w = 0.0 if k == 1 else sum(PRIOR)
+            w = 0.0 if k == 1 else LEAN
             rate = (acc[k] + w * rate) / (acc[k] + rej[k] + w)
             p *= rate
             out.append(p)

@@ -137,9 +137,7 @@ class AttnMeta:
                 head = head[:m]
         w = write.cpu().long()
         tails = [torch.cat((p[m:], w[r:r + 1])) for r, p in enumerate(pre)]
-        n = torch.tensor([t.numel() for t in tails])
-        ends = m + n.cumsum(0)
-        offs = torch.stack((torch.zeros_like(n), torch.full_like(n, m), ends - n, ends), dim=1)
+        offs = _head_rows(m, torch.tensor([t.numel() for t in tails]))
         return cls(ROWS, m, *_to_device(model.device, head, write),
                    slots=(torch.cat([head] + tails), offs))
 
@@ -372,11 +370,15 @@ def _tree_rows(prefix: torch.Tensor, tree_mask: torch.Tensor, write: torch.Tenso
         node_slot = write.cpu()[torch.tensor([first[t] for t in range(T)])]
     node_slot, pre = node_slot.cpu().long(), prefix.cpu().long()
     mask = tree_mask.cpu()
-    L, n = pre.numel(), mask.sum(1)                               # n[i]: row i's tree slots
-    ends = L + n.cumsum(0)
-    offs = torch.stack((torch.zeros_like(n), torch.full_like(n, L), ends - n, ends), dim=1)
     cols = torch.arange(T).expand(T, T)[mask]                     # row by row, in order
-    return torch.cat((pre, node_slot[cols])), offs
+    return torch.cat((pre, node_slot[cols])), _head_rows(pre.numel(), mask.sum(1))
+
+
+def _head_rows(L: int, n: torch.Tensor) -> torch.Tensor:
+    """offs [R, 4] of rows that all read one head idx[0:L], then each its own n[r] slots,
+    the rows' own slots laid after the head in row order."""
+    ends = L + n.cumsum(0)
+    return torch.stack((torch.zeros_like(n), torch.full_like(n, L), ends - n, ends), dim=1)
 
 
 def _causal_rows(prefix: torch.Tensor, write: torch.Tensor) -> tuple:
