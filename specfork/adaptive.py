@@ -30,11 +30,15 @@ steps drafts (and is verified) on the next one, so its estimate cannot go stale 
 probe after which it is still not worth its cost doubles that wait (up to `PROBE_MAX` steps),
 and the wait is at least long enough (even past `PROBE_MAX`) that what probes cost beyond
 decode steps (a model draft's catch-up read, its forward, the tree's rows) stays under
-`EXPLORE` of the time, so a drafter that never pays (a slow draft beside a fast low-bit target)
-costs ever less. Its first probe in a request is instead due once it may take `EXPLORE` of what
-the request has left: a prior-based plan keeps a model draft out from the first step beside a
-fast target, and waiting on elapsed time (while the read it must catch up grows with every
-step) never came due within a short request, so a text the draft predicts well went unused.
+`EXPLORE_AGAIN` of the time, so a drafter that never pays (a slow draft beside a fast low-bit
+target) costs ever less. That share is half the first probe's: beside the int4 target, on 14
+prompts run twice, none of 26 later probes of the trained draft found it worth keeping (8 of
+28 first probes did); at float32, where a probe costs a fraction of a step, the doubling wait
+is the longer one and later probes still bring the draft back. Its first probe in a request
+is instead due once it may take `EXPLORE` of what the request has left: a prior-based plan
+keeps a model draft out from the first step beside a fast target, and waiting on elapsed
+time (while the read it must catch up grows with every step) never came due within a short
+request, so a text the draft predicts well went unused.
 Between probes such a drafter is not weighed at all: its estimates do not move while it does
 not draft.
 
@@ -54,7 +58,8 @@ LEAN = sum(PRIOR)                # weight of the depth above in a deeper depth's
 DECAY = 0.9                      # weight of past observations per new one
 PROBE = 8                        # steps a costly drafter may stay out before it is tried again
 PROBE_MAX = 128                  # the longest wait, after probes that did not pay
-EXPLORE = 0.03                   # the most of a request's time that failed probes may take
+EXPLORE = 0.03                   # the most of a request's time its first probe may take
+EXPLORE_AGAIN = 0.015            # ... and later probes of a drafter that did not pay
 REPLAN = 8                       # quiet steps off in a row before the plan is searched anyway
 KAPPA = (0.1, 2.0)               # bounds of the realised / predicted acceptance correction
 CHEAP = 0.02                     # drafting under this share of a plain step: always shadowed
@@ -308,7 +313,8 @@ class DraftController:
     def _due(self, i: int) -> bool:
         """Drafter i is due a probe: out for its gap, and for long enough that what the probe
         will cost beyond a decode step (its catch-up read, one drafted depth, a two-row
-        tree) is at most EXPLORE of the time since."""
+        tree) is at most EXPLORE_AGAIN of the time since (its first probe in a request: at
+        most EXPLORE of what the request has left)."""
         t = self.tracks[i]
         if t.idle < t.gap:
             return False
@@ -316,7 +322,7 @@ class DraftController:
         over = (t.read_cost(self.lags[i]) or 0.0) + t.cost(1) + self.cost.seconds(2, True) - step
         if not t.measured and over <= EXPLORE * self.left * step:
             return True           # its first probe in this request: EXPLORE of what is left
-        return t.idle * EXPLORE * step >= over
+        return t.idle * EXPLORE_AGAIN * step >= over
 
     def _best(self, forced: list[int], ctx=None) -> tuple[list[int], float, int]:
         """The plan of highest value that includes every drafter in `forced`: its depths,
@@ -338,7 +344,7 @@ class DraftController:
         plain, one = c.seconds(ctx_rows + 1, False), c.seconds(1, False)
 
         def verify(rows: float, tree: bool) -> float:
-            if ctx is None:
+            if not ctx_rows:                   # alone in the forward
                 return c.seconds(rows, tree)
             return plain + max(c.seconds(ctx_rows + rows, tree) - plain,
                                c.seconds(rows, tree) - one)
@@ -426,13 +432,13 @@ class DraftController:
         if probed:                          # with what the probe taught: still not worth it?
             free = self._best([], self.ctx)[0]        # in the batch it was probed in
             # what the probe cost beyond a decode step (its drafting, catch-up read and rows)
-            # buys a wait long enough that probing takes at most EXPLORE of the time
+            # buys a wait long enough that probing takes at most EXPLORE_AGAIN of the time
             step = self.cost.seconds(1, False)
             over = max(0.0, verify_s + sum(seconds) - step)
             for i in probed:
                 t = self.tracks[i]
                 t.gap = self.probe if free[i] else \
-                    max(min(PROBE_MAX, 2 * t.gap), math.ceil(over / (EXPLORE * step)))
+                    max(min(PROBE_MAX, 2 * t.gap), math.ceil(over / (EXPLORE_AGAIN * step)))
                 t.probed, t.live = False, bool(free[i])
         if any(depths) and self.predicted > 0:
             ratio = (len(emitted) - 1) / self.predicted

@@ -18,6 +18,7 @@ measure, as two additive terms:
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 
 import torch
 
@@ -43,11 +44,9 @@ class CostModel:
         s, t = self.sizes, self.table
         if rows <= s[0]:
             return t[s[0]]
-        for a, b in zip(s, s[1:]):
-            if rows <= b:
-                return t[a] + (t[b] - t[a]) * (rows - a) / (b - a)
-        a, b = s[-2], s[-1]                       # beyond the largest: the last slope
-        return t[b] + (t[b] - t[a]) * (rows - b) / (b - a)
+        j = min(bisect_left(s, rows), len(s) - 1)  # beyond the largest: the last slope
+        a, b = s[j - 1], s[j]
+        return t[a] + (t[b] - t[a]) * (rows - a) / (b - a)
 
     def seconds(self, rows: float, tree: bool | None = None) -> float:
         """A step of `rows` rows; `tree`: it verifies a draft (default: rows > 1)."""

@@ -336,11 +336,18 @@ class Engine:
             a += n
         capture = self.capture if any(r.capture for r, _ in parts) else None
         dev = self.model.device
-        meta = parts[0][1].meta if len(parts) == 1 else BatchMeta([p.meta for _, p in parts],
-                                                                  sizes)
-        out = self.model.forward(torch.cat([p.tokens for _, p in parts]),
-                                 torch.cat([p.positions for _, p in parts]), self.pool, meta,
-                                 logits_idx=torch.tensor(idx, dtype=torch.long, device=dev),
+        if len(parts) == 1:          # one request (a lone generate): no gathers to build
+            p = parts[0][1]
+            tokens, positions, meta = p.tokens, p.positions, p.meta
+        else:
+            tokens = torch.cat([p.tokens for _, p in parts])
+            positions = torch.cat([p.positions for _, p in parts])
+            meta = BatchMeta([p.meta for _, p in parts], sizes)
+        # rows read in one run (a decode step, a whole tree, a prompt's last row): a view
+        run = bool(idx) and idx == list(range(idx[0], idx[0] + len(idx)))
+        out = self.model.forward(tokens, positions, self.pool, meta,
+                                 logits_idx=slice(idx[0], idx[0] + len(idx)) if run else
+                                 torch.tensor(idx, dtype=torch.long, device=dev),
                                  capture=capture)
         logits, feats = out if capture else (out, None)
         return logits, feats, sizes
