@@ -216,6 +216,8 @@ class DraftController:
         self.trace: list[list[int]] = []          # per step, each drafter's depth (0: off)
         self.budgets: list[int] = []              # per step, the path budget (0: no path)
         self.off_steps = self.probe_steps = 0
+        self.probes: list[tuple[int, int, bool, bool]] = []   # (step, drafter, its first
+        #                                           verified draft in the request, kept after)
         if self.warm_start and self.tracks:
             for t in self.tracks:
                 t.idle, t.probed = 0, False
@@ -420,6 +422,7 @@ class DraftController:
         tokens (accepted + the target's next), the step's rows and its seconds without the
         drafting; `tree`: this request verified a draft (default: rows > 1)."""
         gained = False
+        fresh = [not t.measured for t in self.tracks]
         for t, k, paths, s, asked in zip(self.tracks, depths, proposals, seconds, self.asked):
             t.idle = 0 if k else t.idle + 1
             t.measured |= bool(k) and paths is not None
@@ -440,12 +443,15 @@ class DraftController:
                 t.gap = self.probe if free[i] else \
                     max(min(PROBE_MAX, 2 * t.gap), math.ceil(over / (EXPLORE_AGAIN * step)))
                 t.probed, t.live = False, bool(free[i])
+                self.probes.append((len(self.trace) - 1, i, fresh[i], t.live))
         if any(depths) and self.predicted > 0:
             ratio = (len(emitted) - 1) / self.predicted
             self.kappa = min(KAPPA[1], max(KAPPA[0], DECAY * self.kappa + (1 - DECAY) * ratio))
 
     def stats(self, names: list[str]) -> dict:
         return {"off_steps": self.off_steps, "probe_steps": self.probe_steps,
+                "probes": [{"step": st, "drafter": names[i], "first": f, "kept": k}
+                           for st, i, f, k in self.probes],
                 "kappa": round(self.kappa, 3), "path_budget": self.budgets,
                 "depth": {f"{i}:{nm}": [row[i] for row in self.trace]
                           for i, nm in enumerate(names)}}

@@ -332,12 +332,10 @@ def test_deeper_depths_lean_on_the_depth_above():
     assert c[0] > 0.9 and c[1] / c[0] < 0.3, c
 
 
-def test_a_costly_drafter_out_from_the_first_step_is_probed_early_in_its_request():
-    """Beside a fast target a model draft (timed in an earlier request: 0.2 steps a depth,
-    its catch-up read 0.025 steps a token) loses the first plan to a cheap lookup, and then
-    sits out. Its first probe is due on what the request has left: a wait on elapsed time
-    would not come due in 128 tokens, as the read it must catch up on (the prompt, then every
-    token it sat out) grows with the wait. Where it is right, it drafts from then on."""
+def _lookup_beside_a_costly_draft(steps: int = 128) -> DraftController:
+    """A request beside a fast target: a cheap lookup that is always wrong and a model draft
+    (timed in an earlier request: 0.2 steps a depth, its catch-up read 0.025 steps a token)
+    that is always right."""
     look = Scripted("lookup", None)
     look.flat_cost = True
     ctl = DraftController([look, Scripted("m", None)], draft_len=4, cost=_cost(), probe=8)
@@ -345,16 +343,38 @@ def test_a_costly_drafter_out_from_the_first_step_is_probed_early_in_its_request
     lk.seconds, lk.timed = 1e-4, True
     m.seconds, m.timed = 0.2, True
     m.read_rate, m.read_timed = 0.025, True
-    lag, first = 50, None
-    for s in range(128):
-        ctl.lags, ctl.left = [0, lag], 128 - s
+    lag = 50
+    for s in range(steps):
+        ctl.lags, ctl.left = [0, lag], steps - s
         depths = ctl.plan()
         k = depths[1]
-        first = s if k and first is None else first
         props = [[[9] * 4], [[5] * k] if k else None]
         ctl.update(depths, props, [1e-4, 0.2 * k], [5] * (k + 1), 1 + sum(depths),
                    1.0 + 0.1 * sum(depths))
         lag = 2 if k else lag + 1
+    return ctl
+
+
+def test_a_costly_drafter_out_from_the_first_step_is_probed_early_in_its_request():
+    """Beside a fast target a model draft loses the first plan to a cheap lookup, and then
+    sits out. Its first probe is due on what the request has left: a wait on elapsed time
+    would not come due in 128 tokens, as the read it must catch up on (the prompt, then every
+    token it sat out) grows with the wait. Where it is right, it drafts from then on."""
+    ctl = _lookup_beside_a_costly_draft()
+    first = next((s for s, row in enumerate(ctl.trace) if row[1]), None)
     assert ctl.trace[0][0] and not ctl.trace[0][1]            # the lookup won the first plan
     assert first is not None and first <= 12, (first, ctl.trace)
     assert all(row[1] > 1 for row in ctl.trace[-20:]), ctl.trace[-20:]
+
+
+def test_stats_list_each_probe_with_its_outcome():
+    """`adaptive.probes` in a request's stats: each probe's step, drafter, whether it was the
+    drafter's first verified draft in the request, and whether the drafter was kept after it
+    (what eval/probe_outcomes.py counts)."""
+    ctl = _lookup_beside_a_costly_draft()
+    probes = ctl.stats(["lookup", "m"])["probes"]
+    assert probes and probes[0]["drafter"] == "m", probes
+    assert probes[0]["first"] and probes[0]["kept"], probes
+    assert probes[0]["step"] == next(s for s, row in enumerate(ctl.trace) if row[1])
+    ctl.begin()
+    assert ctl.stats(["lookup", "m"])["probes"] == []

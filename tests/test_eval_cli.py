@@ -39,6 +39,9 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
     ("bench_kv_quant", ["--prompts", "0"], "must be positive"),
     ("bench_slot_attention", ["--rows", "2,4"], "--rows includes 1"),
     ("bench_slot_attention", ["--prefixes", "300,x"], "comma-separated integers"),
+    ("probe_outcomes", ["--reps", "0"], "--reps must be > 0"),
+    ("probe_outcomes", ["--explore-again", "2"], "shares in (0, 1)"),
+    ("probe_outcomes", ["--weights", "int3"], "unknown format 'int3'"),
 ])
 def test_bad_input_is_one_line(script, args, needle):
     p = subprocess.run([sys.executable, str(ROOT / "eval" / f"{script}.py"), *args],
