@@ -31,16 +31,15 @@ probe after which it is still not worth its cost doubles that wait (up to `PROBE
 and the wait is at least long enough (even past `PROBE_MAX`) that what probes cost beyond
 decode steps (a model draft's catch-up read, its forward, the tree's rows) stays under
 `EXPLORE_AGAIN` of the time, so a drafter that never pays (a slow draft beside a fast low-bit
-target) costs ever less. That share is half the first probe's: beside the int4 target, on 14
-prompts run twice, none of 26 later probes of the trained draft found it worth keeping (8 of
-28 first probes did); at float32, where a probe costs a fraction of a step, the doubling wait
-is the longer one and later probes still bring the draft back. Its first probe in a request
-is instead due once it may take `EXPLORE` of what the request has left: a prior-based plan
-keeps a model draft out from the first step beside a fast target, and waiting on elapsed
-time (while the read it must catch up grows with every step) never came due within a short
-request, so a text the draft predicts well went unused.
-Between probes such a drafter is not weighed at all: its estimates do not move while it does
-not draft.
+target) costs ever less. Its first probe in a request is instead due once it may take
+`EXPLORE` of what the request has left: a prior-based plan keeps a model draft out from the
+first step beside a fast target, and waiting on elapsed time (while the read it must catch up
+grows with every step) never came due within a short request, so a text the draft predicts
+well went unused. Both shares are 3%: later probes still bring the trained draft back (on
+tune_drafting's prompts, 2 of 16 beside the int4 target, 13 of 38 at float32), and half the
+share for them would cut their number and those returns with it (results/probe_outcomes_*.md,
+eval/probe_outcomes.py). Between probes such a drafter is not weighed at all: its estimates
+do not move while it does not draft.
 
 Planning itself must be cheap next to a decode step (a few ms on a 2-core CPU with int4 weights):
 the depths of the path drafters are walked in one pass per drafter set and path budget, and
@@ -59,7 +58,7 @@ DECAY = 0.9                      # weight of past observations per new one
 PROBE = 8                        # steps a costly drafter may stay out before it is tried again
 PROBE_MAX = 128                  # the longest wait, after probes that did not pay
 EXPLORE = 0.03                   # the most of a request's time its first probe may take
-EXPLORE_AGAIN = 0.015            # ... and later probes of a drafter that did not pay
+EXPLORE_AGAIN = 0.03             # ... and later probes of a drafter that did not pay
 REPLAN = 8                       # quiet steps off in a row before the plan is searched anyway
 KAPPA = (0.1, 2.0)               # bounds of the realised / predicted acceptance correction
 CHEAP = 0.02                     # drafting under this share of a plain step: always shadowed
