@@ -2,7 +2,9 @@
 
     python eval/bench_kv_quant.py              # -> results/kv_quant.{json,md,png}
 
-Per `--kv-cache` format (float32 is the reference; every number is measured here):
+Per `--kv-cache` format (float32 is the reference; every number is measured here; `+wN`
+after a turbo format: the same codes read with `--kv-window N`, whose float16 shadows the
+8K peak counts):
 - bytes per token of the pool as allocated (norms included), and the ratio to float16;
 - distortion: relative MSE of the real keys and values of a float32 prefill after a round
   trip through the format (keys centred as the format stores them), beside the paper's bounds
@@ -36,11 +38,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import command as command_line, machine, write_results  # noqa: E402
 
-FORMATS = ("float32", "float16", "turbo4", "turbo3.5", "turbo3", "turbo2.5", "turbo3.5-prod")
+FORMATS = ("float32", "float16", "turbo4", "turbo3.5", "turbo3", "turbo2.5", "turbo3.5-prod",
+           "turbo4+w32", "turbo3.5+w32", "turbo3+w32", "turbo2.5+w32")
 PPL_MODULES = ("json", "textwrap", "heapq", "csv", "difflib", "fractions")
 LONG_MODULES = ("collections", "argparse", "logging", "pathlib", "functools", "itertools",
                 "shutil", "string", "datetime", "statistics")
 UPPER = math.sqrt(3) * math.pi / 2
+
+
+def split_format(name: str) -> tuple[str, int]:
+    """'turbo3.5+w32' -> ('turbo3.5', 32): the KV format and its `--kv-window`."""
+    fmt, _, w = name.partition("+w")
+    if _ and not w.isdigit():
+        from specfork.errors import SpecforkError
+        raise SpecforkError(f"format '{name}': a window is written +w<tokens>, e.g. turbo3.5+w32")
+    return fmt, int(w) if w else 0
 
 
 def module_text(tok, names, budget: int) -> list[int]:
@@ -116,12 +128,14 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)
     from specfork.errors import SpecforkError, run_command
-    from specfork.kv_quant import parse_kv_format
+    from specfork.kv_quant import check_window_flags, parse_kv_format
 
     def go():
         fmts = [f.strip() for f in a.formats.split(",") if f.strip()]
         for f in fmts:
-            parse_kv_format(f)
+            kv, w = split_format(f)
+            parse_kv_format(kv)
+            check_window_flags(w, kv)
         if "float32" not in fmts:
             fmts.insert(0, "float32")
         if a.prompts <= 0 or a.new <= 0 or a.long < 0 or a.beam < 0:
@@ -144,12 +158,16 @@ def _run(a, fmts: list[str], command: str) -> int:
     rows = {}
     for fmt in fmts:
         t0 = time.perf_counter()
+        kvf, window = split_format(fmt)
         # float32 weights: the KV format is the one thing that changes (auto is int4 here)
-        plain = SpecDecoder.from_pretrained(kv_cache=fmt, max_kv_tokens=room, weights="float32")
+        plain = SpecDecoder.from_pretrained(kv_cache=kvf, kv_window=window, max_kv_tokens=room,
+                                            weights="float32")
         tok = plain.tokenizer
-        spec = SpecDecoder.from_pretrained(kv_cache=fmt, drafts=3, max_kv_tokens=room,
+        spec = SpecDecoder.from_pretrained(kv_cache=kvf, kv_window=window, drafts=3,
+                                           max_kv_tokens=room,
                                            weights="float32")
-        fixed = SpecDecoder.from_pretrained(kv_cache=fmt, drafts=3, adaptive=False,
+        fixed = SpecDecoder.from_pretrained(kv_cache=kvf, kv_window=window, drafts=3,
+                                            adaptive=False,
                                             max_kv_tokens=room, weights="float32")
         if ref is None:
             ref = {"dec": plain, "docs": [module_text(tok, [m], 1024) for m in PPL_MODULES],
@@ -273,7 +291,7 @@ def plot(res: dict, path: Path) -> None:
     ax.semilogy(b, [p["lower"] for p in res["paper"]], "k:", label="paper lower bound")
     ax.semilogy(b, [p["mse"] for p in res["paper"]], "o-", label="Lloyd-Max, unit vectors")
     for f, r in res["formats"].items():
-        if f.startswith("turbo") and not f.endswith("prod"):
+        if f.startswith("turbo") and not f.endswith("prod") and "+w" not in f:
             bits = float(f[5:]) - 0.25               # code bits per coordinate (norm: 16 / 64)
             ax.semilogy([bits], [r["distortion"]["k"]], "rs")
             ax.semilogy([bits], [r["distortion"]["v"]], "g^")

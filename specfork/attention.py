@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specfork.errors import SpecforkError
 from specfork.kernels import slot_attention as slot_op
 from specfork.kernels.dense_attention import causal_attention, decode_attention, masked_attention
 from specfork.kernels.tree_attention import (_flash_cpu, tree_attention, tree_attention_torch,
@@ -205,6 +206,9 @@ class AttnMeta:
         -> `[T, H, D]`."""
         if self.slots is not None:
             return slot_attend(q, k_slots, v_slots, self.slots, scale)
+        if getattr(k_slots, "window", None) is not None:
+            raise SpecforkError("--kv-window: this attention (several branches over a shared "
+                                "prefix, or a tree written to no slots) reads no window yet")
         if self.run is not None:                  # CPU decode / cascade over a long prefix
             a, r = self.run
             kr, vr = k_slots[a:a + r], v_slots[a:a + r]                  # views, no copy
@@ -348,7 +352,8 @@ def slot_attend(q: torch.Tensor, k_slots, v_slots, slots: tuple, scale: float) -
     if half_slots(k_slots.codec):
         return slot_op.slot_attention(q, k_slots.raw, v_slots.raw, *slots, scale)
     return slot_op.code_attention(q, k_slots.raw, v_slots.raw, *slots, scale,
-                                  *k_slots.codec.cpu_program(), *v_slots.codec.cpu_program())
+                                  *k_slots.codec.cpu_program(), *v_slots.codec.cpu_program(),
+                                  window=k_slots.window)
 
 
 def _tree_rows(prefix: torch.Tensor, tree_mask: torch.Tensor, write: torch.Tensor | None,

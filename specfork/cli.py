@@ -129,6 +129,10 @@ def _kv_arg(g) -> None:
                         "model's dtype), float32, bfloat16, float16, "
                         "or TurboQuant codes turbo4, turbo3.5, turbo3, turbo2.5 (bits per "
                         "stored value, norms included)")
+    g.add_argument("--kv-window", type=int, default=0, metavar="N",
+                   help="with a turbo format: each token reads its last N keys and values, and "
+                        "the first token's, at float16 (shadows of the newest blocks) instead "
+                        "of through their codes (CPU)")
 
 
 def score(a) -> int:
@@ -136,19 +140,19 @@ def score(a) -> int:
 
     from specfork.decoder import SpecDecoder
     from specfork.engine import check_prompt
-    from specfork.kv_quant import parse_kv_format
+    from specfork.kv_quant import check_window_flags, parse_kv_format
     from specfork.loader import check_device
     from specfork.weights import check_weights
     check_device(a.device)
     check_weights(a.weights, a.device)
     parse_kv_format(a.kv_cache)
-    _tensor_parallel(a)
+    check_window_flags(a.kv_window, a.kv_cache, _tensor_parallel(a))
     text = _prompt(a)
     check_prompt(text)
     dtype = getattr(torch, a.dtype) if a.dtype else None
     dec = SpecDecoder.from_pretrained(target=a.target, dtype=dtype, device=a.device,
                                       weights=a.weights, kv_cache=a.kv_cache,
-                                      tensor_parallel=_tensor_parallel(a))
+                                      kv_window=a.kv_window, tensor_parallel=_tensor_parallel(a))
     res = dec.score(text)
     if a.json:
         print(json.dumps(res))
@@ -190,7 +194,7 @@ def _checked_loader(a, drafting: dict, **kw):
     from specfork.drafters import eagle
     from specfork.drafters.registry import DRAFT_LEN, check_drafting
     from specfork.errors import SpecforkError
-    from specfork.kv_quant import parse_kv_format
+    from specfork.kv_quant import check_window_flags, parse_kv_format
     from specfork.loader import check_device
     from specfork.weights import check_weights
     given = [k for k, v in drafting.items() if v is not None]
@@ -204,12 +208,14 @@ def _checked_loader(a, drafting: dict, **kw):
     check_weights(a.weights, a.device)
     parse_kv_format(a.kv_cache)
     tp = _tensor_parallel(a)
+    check_window_flags(a.kv_window, a.kv_cache, tp)
     dtype = getattr(torch, a.dtype) if a.dtype else None
     return functools.partial(                    # picklable: Ray replicas load with it too
         SpecDecoder.from_pretrained, target=a.target, drafts=a.drafts, drafter=a.drafter,
         draft_len=draft_len, dtype=dtype, device=a.device, min_conf=a.min_conf,
         draft_vocab=a.draft_vocab, tree_topk=tree[0], tree_depth=tree[1], draft_tokens=tree[2],
-        adaptive=a.adaptive, weights=a.weights, kv_cache=a.kv_cache, tensor_parallel=tp, **kw)
+        adaptive=a.adaptive, weights=a.weights, kv_cache=a.kv_cache, kv_window=a.kv_window,
+        tensor_parallel=tp, **kw)
 
 
 def generate(a) -> int:

@@ -15,7 +15,7 @@ from specfork.drafters.base import Drafter
 from specfork.drafters.registry import DRAFT_LEN, check_drafting
 from specfork.engine import Engine
 from specfork.errors import SpecforkError
-from specfork.kv_quant import calibration_ids, parse_kv_format
+from specfork.kv_quant import calibration_ids, check_window_flags, parse_kv_format
 from specfork.kv_tree import KVTree
 from specfork.model import Model
 from specfork.request import Request
@@ -77,7 +77,7 @@ class SpecDecoder:
                         min_conf: float | None = None, draft_vocab: int | None = None,
                         tree_topk: int | None = None, tree_depth: int | None = None,
                         draft_tokens: int | None = None, adaptive: bool = True,
-                        weights: str = "auto", kv_cache: str = "auto",
+                        weights: str = "auto", kv_cache: str = "auto", kv_window: int = 0,
                         tensor_parallel: int = 1, **kw) -> "SpecDecoder":
         """`tree_topk`, `tree_depth`, `draft_tokens`: the EAGLE draft tree's shape (None: the
         tuned defaults). `adaptive` (on by default here): see `SpecDecoder`. `weights`: the
@@ -85,7 +85,10 @@ class SpecDecoder:
         auto is int4 where it holds the weights exactly, as for the embedded target, with 8-bit
         activations as llama.cpp).
         `kv_cache`: the target's KV format (`specfork/kv_quant.py`: auto, float32, bfloat16,
-        float16, turbo4, turbo3.5, turbo3, turbo2.5). `tensor_parallel`: shard the target over
+        float16, turbo4, turbo3.5, turbo3, turbo2.5). `kv_window`: with a turbo format, each
+        token reads its last `kv_window` keys and values, and the first token's, at float16
+        instead of through their codes (`BlockPool`; results/kv_window_study.md: most of the
+        formats' perplexity loss). `tensor_parallel`: shard the target over
         that many ranks (`specfork/parallel.py`; drafters stay on this process, rank 0)."""
         from specfork.drafters import eagle
         from specfork.drafters.registry import make_drafters
@@ -95,13 +98,14 @@ class SpecDecoder:
         check_device(device)                               # all before any weights load
         check_weights(weights, device)
         parse_kv_format(kv_cache)
+        check_window_flags(kv_window, kv_cache, tensor_parallel)
         if tensor_parallel != 1:
             from specfork import parallel
             model, tok = parallel.start(tensor_parallel, dict(
                 target=target, dtype=dtype, device=device, weights=weights, kv_cache=kv_cache))
         else:
             hf, tok = load_hf(target, dtype=dtype, device=device)
-            model = Model(hf, weights=weights, kv_cache=kv_cache)
+            model = Model(hf, weights=weights, kv_cache=kv_cache, kv_window=kv_window)
         model.calibrate_kv(calibration_ids(tok))
         drafters = (make_drafters(drafter, target, model, drafts, min_conf, draft_vocab,
                                   draft_len=draft_len, tree=tree,

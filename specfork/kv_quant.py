@@ -490,14 +490,49 @@ def layer_codecs(name: str, num_layers: int, head_dim: int, model_dtype: torch.d
         raise SpecforkError(f"KV format {name} does not fit head_dim {head_dim}") from None
 
 
+WINDOW_SINK = 1      # with a KV window, the first token (the attention sink) is read in float16
+
+
+def check_window_flags(window, kv_cache: str, ranks: int = 1) -> None:
+    """A one-line error for a KV window the flags alone rule out (before weights load)."""
+    if window == 0:
+        return
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise SpecforkError(f"--kv-window must be a token count >= 0, not {window!r}")
+    if parse_kv_format(kv_cache)[0] != "turbo" or kv_cache.endswith("-prod"):
+        raise SpecforkError("--kv-window needs a TurboQuant KV format (--kv-cache turbo4, "
+                            "turbo3.5, turbo3 or turbo2.5)")
+    if ranks != 1:
+        raise SpecforkError("--kv-window does not run under --tensor-parallel yet")
+
+
+def check_window(window: int, codecs: list | None, device) -> tuple[int, int]:
+    """(window, sink) of a KV window of `window` tokens, or a one-line error where it cannot
+    run: a window reads float16 shadows beside TurboQuant codes (`BlockPool`), through the
+    CPU slot op (kernels/code_attention.cpp), the one attention path that reads them so far."""
+    if window == 0:
+        return 0, 0
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise SpecforkError(f"--kv-window must be a token count >= 0, not {window!r}")
+    if codecs is None or not codecs[0][0].rotated or codecs[0][0].prod:
+        raise SpecforkError("--kv-window needs a TurboQuant KV format (--kv-cache turbo4, "
+                            "turbo3.5, turbo3 or turbo2.5)")
+    from specfork.kernels import slot_attention as slot_op
+    if torch.device(device).type != "cpu" or not slot_op.available(codecs[0][0].D):
+        raise SpecforkError("--kv-window reads through the CPU slot op, which is not built "
+                            "for this device (the GPU kernel does not read windows yet)")
+    return window, WINDOW_SINK
+
+
 class StoredSlots:
     """One layer's stored K or V slots `[slots, KVH, *row]` read through their codec: what the
     attention paths index or slice comes back decoded `[n, KVH, D]`, so every read of a
-    compressed pool sees exactly the stored form."""
-    __slots__ = ("raw", "codec")
+    compressed pool sees exactly the stored form. `window` (keys of a pool with a KV window):
+    the slot op's shadow arguments (`kernels/slot_attention.code_attention`)."""
+    __slots__ = ("raw", "codec", "window")
 
     def __init__(self, raw: torch.Tensor, codec):
-        self.raw, self.codec = raw, codec
+        self.raw, self.codec, self.window = raw, codec, None
 
     def index_select(self, dim: int, idx: torch.Tensor) -> torch.Tensor:
         return self.codec.decode(self.raw.index_select(dim, idx))

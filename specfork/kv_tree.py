@@ -12,6 +12,9 @@ import math
 import torch
 
 
+SHADOW_SLACK = 128       # tokens of shadows kept past a branch's window (see _shadows_needed)
+
+
 class PoolExhausted(RuntimeError):
     """Not enough free blocks; the pool and every branch are left unchanged."""
 
@@ -37,11 +40,19 @@ class BlockPool:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, block_size: int = 16,
                  num_blocks: int | None = None, max_bytes: int | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 codecs: list | None = None):
+                 codecs: list | None = None, window: int = 0, sink: int = 0):
         """`codecs`: per layer (key codec, value codec) of a stored format other than `dtype`
         (`specfork/kv_quant.py`): slots then hold the codec's rows (TurboQuant: uint8 codes
-        with their norms) and every read decodes them. None: plain `dtype` K/V."""
+        with their norms) and every read decodes them. None: plain `dtype` K/V.
+        `window`, `sink` (TurboQuant codes only): a query reads its last `window` keys and
+        values, and the first `sink`, from float16 shadow rows instead of their codes
+        (`shadow_alloc`; kernels/code_attention.cpp)."""
         self.codecs = codecs
+        if (window or sink) and (codecs is None or not codecs[0][0].rotated):
+            raise ValueError("a KV window needs a TurboQuant format")
+        if window < 0 or sink < 0:
+            raise ValueError("KV window and sink are token counts >= 0")
+        self.window, self.sink = window, sink
         rows = [((head_dim,), dtype)] * 2 if codecs is None else [
             (c.row, c.store_dtype) for c in codecs[0]]                 # keys, values
         slot_bytes = num_layers * kv_heads * sum(
@@ -62,6 +73,20 @@ class BlockPool:
         self.refcount = [0] * num_blocks
         self.free = list(range(num_blocks - 1, -1, -1))  # stack: low ids first
         self.peak_blocks = 0
+        # float16 shadows of the blocks a window reads (centred and rotated like the codes):
+        # sk/sv `[layers, capacity, block_size, kv_heads, head_dim]`, shadow_of[block] its row
+        # block there or -1. Blocks get one when allocated; `shadow_sweep` (the KVTree's)
+        # names the blocks some branch's window or sink may still read, and the others give
+        # theirs back when the shadows run out, before the shadow store grows.
+        self.shadow_of = torch.full((num_blocks if (window or sink) else 0,), -1,
+                                    dtype=torch.int32)
+        self.shadow_free: list[int] = []
+        self.shadow_sweep = None
+        self.fresh: set[int] = set()     # blocks given shadows since the last forward wrote
+        self.sk = self.sv = None
+        self.peak_shadows = 0
+        if window or sink:
+            self._grow_shadows(16)
         # tensor parallelism: called as mirror(method name, *args) before a method that moves
         # K/V data runs, so every rank's pool applies it too (specfork/parallel.py)
         self.mirror = None
@@ -89,6 +114,9 @@ class BlockPool:
         self.refcount[b] = rc
         if rc == 0:
             self.free.append(b)
+            if self.sk is not None and self.shadow_of[b] >= 0:
+                self.shadow_free.append(int(self.shadow_of[b]))
+                self.shadow_of[b] = -1
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block in every layer (the only data copy the tree ever makes)."""
@@ -96,6 +124,65 @@ class BlockPool:
             self.mirror("copy_block", src, dst)
         self.k[:, dst].copy_(self.k[:, src])
         self.v[:, dst].copy_(self.v[:, src])
+        if self.sk is not None and self.shadow_of[src] >= 0:
+            self.shadow_alloc([dst])
+            a, b = int(self.shadow_of[src]), int(self.shadow_of[dst])
+            self.sk[:, b].copy_(self.sk[:, a])
+            self.sv[:, b].copy_(self.sv[:, a])
+
+    # -- float16 shadows (a KV window) --------------------------------------------------------
+    def shadow_alloc(self, blocks: list[int]) -> None:
+        """Give each of `blocks` a shadow block (those without one)."""
+        if self.sk is None:
+            return
+        need = [b for b in blocks if self.shadow_of[b] < 0]
+        if len(need) > len(self.shadow_free):
+            self.sweep_shadows()
+        if len(need) > len(self.shadow_free):
+            self._grow_shadows(max(len(need), self.sk.shape[1]))
+        for b in need:
+            self.shadow_of[b] = self.shadow_free.pop()
+        self.fresh.update(need)
+        self.peak_shadows = max(self.peak_shadows, self.shadows_in_use)
+
+    def sweep_shadows(self) -> None:
+        """Give back the shadows of blocks no open branch's window or sink reads (the tree's
+        `shadow_sweep`), but not those of blocks allocated since the last forward."""
+        if self.shadow_sweep is None:
+            return
+        keep = self.shadow_sweep() | self.fresh
+        for b in torch.nonzero(self.shadow_of >= 0).flatten().tolist():
+            if b not in keep:
+                self.shadow_free.append(int(self.shadow_of[b]))
+                self.shadow_of[b] = -1
+
+    def _grow_shadows(self, n: int) -> None:
+        L, KVH, D, bs = self.num_layers, self.kv_heads, self.head_dim, self.block_size
+        more = torch.zeros((2, L, n, bs, KVH, D), dtype=torch.float16, device=self.k.device)
+        have = 0 if self.sk is None else self.sk.shape[1]
+        self.sk = more[0] if self.sk is None else torch.cat((self.sk, more[0]), 1)
+        self.sv = more[1] if self.sv is None else torch.cat((self.sv, more[1]), 1)
+        self.shadow_free.extend(range(have + n - 1, have - 1, -1))
+
+    def shadow_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Shadow rows of `slots` (each block must have a shadow)."""
+        sh = self.shadow_of[(slots // self.block_size).cpu()].long()
+        if bool((sh < 0).any()):
+            raise AssertionError("KV window: a written block has no float16 shadow")
+        return (sh * self.block_size + slots.cpu() % self.block_size).to(slots.device)
+
+    def layer_shadows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's shadow rows `[capacity * block_size, kv_heads, head_dim]` float16."""
+        shape = (-1, self.kv_heads, self.head_dim)
+        return self.sk[layer].view(shape), self.sv[layer].view(shape)
+
+    @property
+    def shadows_in_use(self) -> int:
+        return 0 if self.sk is None else self.sk.shape[1] - len(self.shadow_free)
+
+    @property
+    def shadow_block_bytes(self) -> int:
+        return 0 if self.sk is None else 2 * self.sk[:, 0].nbytes
 
     def copy_slots(self, frm: torch.Tensor, to: torch.Tensor) -> None:
         """Slots `frm` to slots `to` in every layer, stored rows as they are (codes stay
@@ -105,6 +192,13 @@ class BlockPool:
         for t in (self.k, self.v):
             flat = t.view((self.num_layers, -1) + tuple(t.shape[3:]))
             flat[:, to] = flat[:, frm]
+        if self.sk is not None:         # shadow rows too, where the source still has them
+            self.shadow_alloc(sorted(set((to // self.block_size).tolist())))
+            has = self.shadow_of[(frm // self.block_size).cpu()] >= 0
+            a, b = self.shadow_slots(frm[has]), self.shadow_slots(to[has])
+            for t in (self.sk, self.sv):
+                flat = t.view(self.num_layers, -1, self.kv_heads, self.head_dim)
+                flat[:, b] = flat[:, a]
 
     # -- views and accounting -----------------------------------------------------------------
     def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,14 +221,16 @@ class BlockPool:
 
     @property
     def bytes_in_use(self) -> int:
-        return self.used_blocks * self.block_bytes
+        """Bytes of the blocks in use, and of their float16 shadows (a KV window)."""
+        return self.used_blocks * self.block_bytes + self.shadows_in_use * self.shadow_block_bytes
 
     @property
     def peak_bytes(self) -> int:
-        return self.peak_blocks * self.block_bytes
+        return self.peak_blocks * self.block_bytes + self.peak_shadows * self.shadow_block_bytes
 
     def reset_peak(self) -> None:
         self.peak_blocks = self.used_blocks
+        self.peak_shadows = self.shadows_in_use
 
 
 class Branch:
@@ -166,6 +262,8 @@ class KVTree:
         self.bs = pool.block_size
         self.live_branches = 0
         self._roots: set[Branch] = set()    # trees in this pool, for whole-tree accounting
+        if pool.sk is not None:
+            pool.shadow_sweep = self._shadows_needed
 
     # -- structure ----------------------------------------------------------------------------
     def new_branch(self) -> Branch:
@@ -222,7 +320,9 @@ class KVTree:
             pool.decref(old)
             br.blocks[i] = dst
         if new:
-            br.blocks.extend(pool.alloc(new))
+            got = pool.alloc(new)
+            br.blocks.extend(got)
+            pool.shadow_alloc(got)
         br.length = end
         return self._slots(br, pos, end)
 
@@ -300,6 +400,36 @@ class KVTree:
         own = torch.tensor(br.blocks[lo:-(-end // bs) - first], dtype=torch.long)
         pos = torch.arange(start, end)
         return own[pos // bs - first - lo] * bs + pos % bs
+
+    def _shadows_needed(self) -> set[int]:
+        """Blocks whose float16 shadows a window may still read: per open branch, the block of
+        its first token (the sink) and those of its last window + SHADOW_SLACK tokens (a verify
+        tree's rows are cut back by at most that much)."""
+        pool, keep = self.pool, set()
+        todo = list(self._roots)
+        while todo:
+            b = todo.pop()
+            todo.extend(b.children)
+            if not b.held or not b.alive:
+                continue
+            table = self.block_table(b)
+            lo = max(0, b.length - pool.window - SHADOW_SLACK) // self.bs
+            keep.update(table[lo:])
+            if pool.sink and table:
+                keep.update(table[:-(-pool.sink // self.bs)])
+        return keep
+
+    def window_ready(self, br: Branch, at: int) -> bool:
+        """Whether a fork of `br` at `at` finds the float16 shadows its window reads (always
+        without a window)."""
+        pool = self.pool
+        if pool.sk is None or at == 0:
+            return True
+        table = self.block_table(br)[:-(-at // self.bs)]
+        need = table[max(0, at - pool.window) // self.bs:]
+        if pool.sink:
+            need += table[:-(-pool.sink // self.bs)]
+        return all(pool.shadow_of[b] >= 0 for b in need)
 
     # -- internals ----------------------------------------------------------------------------
     def _check(self, br: Branch) -> None:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from specfork.attention import AttnMeta, half_slots
 from specfork.errors import SpecforkError
-from specfork.kv_quant import StoredSlots, layer_codecs, resolve_kv
+from specfork.kv_quant import StoredSlots, check_window, layer_codecs, resolve_kv
 from specfork.kv_tree import BlockPool
 from specfork.weights import HEAD_FORMAT, QuantLinear, resolve, row_blocks
 
@@ -278,7 +278,7 @@ class Model:
     block_size = 1
 
     def __init__(self, hf, pack: bool | None = None, weights: str = "float32",
-                 kv_cache: str = "auto"):
+                 kv_cache: str = "auto", kv_window: int = 0):
         """`pack`: keep packed copies of the weights for few-row matmuls, specfork's panels or
         oneDNN's (`Linear`; None: on CPU in fp32, or bf16 where the CPU has bf16 GEMMs, when
         the copies take at most 4 GiB).
@@ -319,6 +319,7 @@ class Model:
         self.kv_cache = resolve_kv(kv_cache, low, self.dtype, self.device, self.head_dim)
         self.kv_codecs = layer_codecs(self.kv_cache, self.num_layers, self.head_dim, self.dtype,
                                       self.device)
+        self.kv_window, self.kv_sink = check_window(kv_window, self.kv_codecs, self.device)
         # A stored K/V format other than the model's dtype (float16 or TurboQuant codes) turns
         # last-bit differences into different stored values, and low-bit weights round every
         # matmul differently: under either, a verify tree's token must be computed bit for bit
@@ -464,7 +465,9 @@ class Model:
         block_size = block_size or self.block_size
         return BlockPool(self.num_layers, self.kv_heads, self.head_dim, block_size=block_size,
                          num_blocks=num_blocks, max_bytes=max_bytes, dtype=self.dtype,
-                         device=self.device, codecs=self.kv_codecs)
+                         device=self.device, codecs=self.kv_codecs,
+                         window=self.kv_window if self.kv_codecs else 0,
+                         sink=self.kv_sink if self.kv_codecs else 0)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin_signed `[T, 1, D]` at `positions`: on a CPU, rows of this model's table
@@ -495,6 +498,10 @@ class Model:
         cos, sin = self.rope(positions)
         write, src = meta.write, meta.write_src
         kept = {}
+        shadow = None                    # a KV window: float16 shadow rows of the new tokens
+        if pool.sk is not None and write is not None:
+            shadow = pool.shadow_slots(write)
+            pool.fresh.clear()           # written below: a sweep may now weigh them
         slots = self._stack_slots(meta)
         if slots is not None:
             kinds, norms, w, s, b = self._stack_weights(T)
@@ -517,6 +524,11 @@ class Model:
             kf, vf = pool.layer_slots(i)                                # [slots, KVH, D]
             if pool.codecs is not None:          # stored, then read back: as every later read
                 kc, vc = pool.codecs[i]
+                if shadow is not None:           # centred and rotated as the codes, in float16
+                    sk, sv = pool.layer_shadows(i)
+                    for rows, c, new in ((sk, kc, k), (sv, vc, v)):
+                        h = (c.prepare(new) @ c.RT).half()
+                        rows.index_copy_(0, shadow, h if src is None else h.index_select(0, src))
                 if kc.rotated:
                     (k, kr), (v, vr) = kc.encode_decode_pair(vc, k, v)
                 else:
@@ -529,8 +541,11 @@ class Model:
             else:                                # TurboQuant: rotated query, rotated values
                 if kc.rotated:
                     q = kc.rotate_query(q)
-                a = meta.attend(q, kr, vr, StoredSlots(kf, kc),
-                                StoredSlots(vf, vc), self.scale)
+                ks = StoredSlots(kf, kc)
+                if pool.sk is not None:
+                    ks.window = (*pool.layer_shadows(i), pool.shadow_of, pool.block_size,
+                                 pool.window, pool.sink)
+                a = meta.attend(q, kr, vr, ks, StoredSlots(vf, vc), self.scale)
                 if vc.rotated:
                     a = vc.unrotate(a)
             x = ly.o.add_to(x, a.reshape(T, nq), bulk)

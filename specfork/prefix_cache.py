@@ -54,9 +54,10 @@ class PrefixCache:
 
     def fork(self, tokens: list[int], limit: int):
         """A new branch holding the longest cached prefix of `tokens` (at most `limit` tokens),
-        and its length; (None, 0) on a miss."""
+        and its length; (None, 0) on a miss. Under a KV window, a match whose window's float16
+        shadows were already given back (a point well before the entry's end) is a miss."""
         m, br = self.match(tokens[:limit])
-        if br is None:
+        if br is None or not self.kv.window_ready(br, m):
             return None, 0
         return self.kv.fork(br, at=m), m
 

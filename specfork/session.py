@@ -48,6 +48,17 @@ def forward_branches(model: Model, kv: KVTree, branches: list[Branch],
     # one token per branch (beam search): each row over its own slot list through the slot op
     lists = [kv.slots(b) for b in branches] if (
         len(branches) > 1 and T == len(branches) and uses_slot_op(model)) else None
+    if lists is None and len(branches) > 1 and kv.pool.sk is not None:
+        # a KV window reads through slot lists only: one forward per branch, all or nothing
+        start = [b.length for b in branches]
+        try:
+            return torch.cat([forward_branches(model, kv, [b], [f])
+                              for b, f in zip(branches, feeds)])
+        except BaseException:
+            for b, n0 in zip(branches, start):
+                if b.length > n0:
+                    kv.truncate(b, n0)
+            raise
     if len(branches) == 1:
         prefix, pmask = kv.slots(branches[0]), None
     elif lists is None:

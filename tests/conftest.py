@@ -34,9 +34,11 @@ def he_prompts():
     return load_prompts("humaneval")
 
 
-def tiny_model(weights: str = "float32", kv_cache: str = "auto", hidden: int = 64):
+def tiny_model(weights: str = "float32", kv_cache: str = "auto", hidden: int = 64,
+               kv_window: int = 0):
     """A 2-layer random Llama (vocab 96, 4 heads over 2 kv heads of hidden / 4) as our Model,
-    under a weight and a KV format; seeded, so every call builds the same weights."""
+    under a weight and a KV format (and KV window); seeded, so every call builds the same
+    weights."""
     from transformers import AutoModelForCausalLM, LlamaConfig
     from specfork.model import Model
     torch.manual_seed(0)
@@ -44,7 +46,7 @@ def tiny_model(weights: str = "float32", kv_cache: str = "auto", hidden: int = 6
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=1024, initializer_range=0.05)
     return Model(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval(),
-                 weights=weights, kv_cache=kv_cache)
+                 weights=weights, kv_cache=kv_cache, kv_window=kv_window)
 
 
 def tree_and_steps(m, P: int = 300):
@@ -77,3 +79,21 @@ def tree_and_steps(m, P: int = 300):
         meta = AttnMeta.prefill(m, kv.slots(B), kv.append(B, 1))
         steps.append(m.forward(torch.tensor([t]), torch.tensor([P + i]), pool, meta))
     return tree, steps, tree_k, pool.k[:, kv.slots(B)[P:]]
+
+
+def fork_and_copy_continue(m) -> tuple:
+    """Sessions on `m`: a context of 37 tokens continued for 12 on a CoW fork and on a full
+    copy; (the two continuations, whether every block and shadow was given back each time)."""
+    from specfork.engine import Engine
+    from specfork.session import Session
+    outs, clean = [], True
+    for full in (False, True):
+        eng = Engine(m, None, max_kv_tokens=256, eos_token_ids=[])
+        s = Session(eng, full_copy=full)
+        h = s.start(list(range(3, 40)))
+        a = s.fork(h)
+        outs.append(str(s.generate(a, max_new_tokens=12)))
+        s.release(a)
+        s.release(h)
+        clean &= eng.pool.used_blocks == 0 and eng.pool.shadows_in_use == 0
+    return outs, clean

@@ -37,6 +37,10 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
     ("profile_step", ["--tokens", "1"], "--tokens must be >= 2"),
     ("bench_kv_quant", ["--formats", "float32,turbo9"], "unknown KV cache format 'turbo9'"),
     ("bench_kv_quant", ["--prompts", "0"], "must be positive"),
+    ("bench_kv_quant", ["--formats", "turbo3.5+wx"], "a window is written +w<tokens>"),
+    ("bench_kv_quant", ["--formats", "float16+w8"], "--kv-window needs a TurboQuant"),
+    ("kv_window_study", ["--formats", "float16"], "takes turbo formats"),
+    ("kv_window_study", ["--docs", "0"], "--docs must be 1..6"),
     ("bench_slot_attention", ["--rows", "2,4"], "--rows includes 1"),
     ("bench_slot_attention", ["--prefixes", "300,x"], "comma-separated integers"),
     ("probe_outcomes", ["--reps", "0"], "--reps must be > 0"),
@@ -202,11 +206,12 @@ def test_profile_step_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_bench_kv_quant_end_to_end(tmp_path):
-    """bench_kv_quant on one prompt, float32 and turbo3.5: speculation equals plain decoding
-    under each format, turbo3.5 stores 4.57x fewer bytes than float16 and its key distortion
-    lies under the 3-bit upper bound; the files name their command."""
+    """bench_kv_quant on one prompt, float32, turbo3.5 and turbo3.5 with a 32-token window:
+    speculation equals plain decoding under each format, turbo3.5 stores 4.57x fewer bytes
+    than float16 and its key distortion lies under the 3-bit upper bound, the window lowers
+    its perplexity; the files name their command."""
     stem = tmp_path / "kvq"
-    args = ["--formats", "turbo3.5", "--prompts", "1", "--max-new-tokens", "8",
+    args = ["--formats", "turbo3.5,turbo3.5+w32", "--prompts", "1", "--max-new-tokens", "8",
             "--long-tokens", "600", "--beam-tokens", "4", "--out", str(stem)]
     p = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_kv_quant.py"), *args],
                        capture_output=True, text=True, timeout=900, env=ENV)
@@ -214,9 +219,10 @@ def test_bench_kv_quant_end_to_end(tmp_path):
     res = json.loads(stem.with_suffix(".json").read_text())
     assert res["command"] == "python eval/bench_kv_quant.py " + shlex.join(args)
     f = res["formats"]
-    assert list(f) == ["float32", "turbo3.5"]
+    assert list(f) == ["float32", "turbo3.5", "turbo3.5+w32"]
     assert all(r["spec_exact"] == 1 and r["leaked_blocks"] == 0 for r in f.values())
     t = f["turbo3.5"]
+    assert 1.0 < f["turbo3.5+w32"]["ppl_ratio"] < t["ppl_ratio"]
     assert t["vs_float16_bytes"] == pytest.approx(128 / 28, rel=1e-3)
     assert f["float32"]["ppl_ratio"] == 1.0 and 1.0 < t["ppl_ratio"] < 2.0
     assert 0 < t["distortion"]["k"] < 0.0425 and t["kv_peak_8k_bytes"] > 0

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_model, tree_and_steps
+from conftest import fork_and_copy_continue, tiny_model, tree_and_steps
 from specfork.errors import SpecforkError
 from specfork.kv_quant import (TurboCodec, layer_codecs, lloyd_max, pack_bits,
                                parse_kv_format, rotation, unpack_bits)
@@ -339,17 +339,5 @@ def test_cli_kv_cache_and_score_errors_are_one_line():
 def test_sessions_fork_and_full_copy_agree_on_codes():
     """Sessions on a compressed pool: a CoW fork and a full copy of a context (its code rows
     copied as they are) continue with the same tokens; nothing leaks."""
-    from specfork.engine import Engine
-    from specfork.session import Session
-    m = _tiny_model("turbo3")
-    outs = []
-    for full in (False, True):
-        eng = Engine(m, None, max_kv_tokens=256, eos_token_ids=[])
-        s = Session(eng, full_copy=full)
-        h = s.start(list(range(3, 40)))
-        a = s.fork(h)
-        outs.append(s.generate(a, max_new_tokens=12))
-        s.release(a)
-        s.release(h)
-        assert eng.pool.used_blocks == 0
-    assert str(outs[0]) == str(outs[1])
+    outs, clean = fork_and_copy_continue(_tiny_model("turbo3"))
+    assert outs[0] == outs[1] and clean

@@ -11,6 +11,12 @@
 // one bit width, its bits gathered from up to three planes into one index of a table holding
 // those u centroids (`_unit_lut`). Scores take the scale after the dot product,
 // scale * (q . c); values are summed as (p * scale) * c.
+//
+// A window (`kv_window`, kv_tree.py's shadows): a row's list is its path from position 0 to
+// itself, so its j-th slot is at position j; the last `window` slots and the first `sink` are
+// read from their float16 shadow rows (centred and rotated as the codes are, so both kinds of
+// score share one space) instead of their codes. The rule depends only on positions, so a tree
+// node reads what a decode step at its position reads.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -57,7 +63,11 @@ static inline float dot(const float* a, const float* b, int D) {
 
 at::Tensor code_attention(at::Tensor q, const at::Tensor& k, const at::Tensor& v,
                           at::Tensor idx, at::Tensor offs, double scale, at::Tensor kprog,
-                          at::Tensor klut, at::Tensor vprog, at::Tensor vlut) {
+                          at::Tensor klut, at::Tensor vprog, at::Tensor vlut,
+                          const c10::optional<at::Tensor>& kwin,
+                          const c10::optional<at::Tensor>& vwin,
+                          const c10::optional<at::Tensor>& shadow, int64_t block,
+                          int64_t window, int64_t sink) {
   RECORD_FUNCTION("specfork::code_attention", std::vector<c10::IValue>());
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.size(0) == v.size(0) &&
               k.size(1) == v.size(1), "q [R,H,D], k/v [S,KVH,nbytes]");
@@ -89,6 +99,40 @@ at::Tensor code_attention(at::Tensor q, const at::Tensor& k, const at::Tensor& v
   float* outp = out.data_ptr<float>();
   const int nv = (int)D / 16;
   const int64_t* ip = idx.data_ptr<int64_t>();
+  const bool win = window > 0 || sink > 0;
+  const at::Half *kw = nullptr, *vw = nullptr;
+  const int32_t* shp = nullptr;
+  int64_t nshadow = 0;
+  if (win) {
+    TORCH_CHECK(kwin.has_value() && vwin.has_value() && shadow.has_value() && block > 0,
+                "a window needs the shadow rows, the shadow table and the block size");
+    TORCH_CHECK(kwin->scalar_type() == at::kHalf && vwin->scalar_type() == at::kHalf &&
+                kwin->is_contiguous() && vwin->is_contiguous() && kwin->dim() == 3 &&
+                kwin->size(1) == KVH && kwin->size(2) == D && vwin->sizes() == kwin->sizes(),
+                "shadow rows [slots, KVH, D] float16");
+    TORCH_CHECK(shadow->scalar_type() == at::kInt && shadow->is_contiguous(),
+                "shadow table int32");
+    kw = kwin->data_ptr<at::Half>();
+    vw = vwin->data_ptr<at::Half>();
+    shp = shadow->data_ptr<int32_t>();
+    nshadow = shadow->numel();
+  }
+  const int64_t wrows = win ? kwin->size(0) : 0;
+  // row j of n: float16 shadow row (>= 0) or -1 (codes)
+  auto shadow_row = [&](const int64_t* ix, int64_t j, int64_t n) -> int64_t {
+    if (!win || (j < n - window && j >= sink)) return -1;
+    const int64_t b = ix[j] / block;
+    TORCH_CHECK(b < nshadow && shp[b] >= 0, "KV window: slot ", ix[j],
+                " has no float16 shadow row");
+    const int64_t at = (int64_t)shp[b] * block + ix[j] % block;
+    TORCH_CHECK(at < wrows, "KV window: shadow row out of range");
+    return at;
+  };
+  auto load_half = [&](const at::Half* src, float* dst) {
+    for (int64_t c = 0; c < D; c += 16)
+      _mm512_storeu_ps(dst + c, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                    reinterpret_cast<const __m256i*>(src + c))));
+  };
   each_row_head(KVH, ip, rows, [&](int64_t r, int64_t h, const int64_t* ix, int64_t n,
                                    std::vector<float>& s) {
     const float* qr = qp + (r * H + h * G) * D;
@@ -97,14 +141,20 @@ at::Tensor code_attention(at::Tensor q, const at::Tensor& k, const at::Tensor& v
     std::vector<__m512> acc((size_t)(G * nv), _mm512_setzero_ps());   // weighted value sums
     s.resize((size_t)(G * n));
     for (int64_t j = 0; j < n; ++j) {
-      const float norm = decode_row(kp + (ix[j] * KVH + h) * KB, kpr, ku, kl, buf);
+      const int64_t w = shadow_row(ix, j, n);
+      float norm = 1.0f;
+      if (w >= 0) load_half(kw + (w * KVH + h) * D, buf);
+      else norm = decode_row(kp + (ix[j] * KVH + h) * KB, kpr, ku, kl, buf);
       for (int g = 0; g < G; ++g)
         s[g * n + j] = norm * dot(qr + g * D, buf, (int)D) * (float)scale;
     }
     float z[64];
     for (int g = 0; g < G; ++g) z[g] = softmax_unnormed(s.data() + g * n, n);
     for (int64_t j = 0; j < n; ++j) {
-      const float norm = decode_row(vp + (ix[j] * KVH + h) * VB, vpr, vu, vl, buf);
+      const int64_t w = shadow_row(ix, j, n);
+      float norm = 1.0f;
+      if (w >= 0) load_half(vw + (w * KVH + h) * D, buf);
+      else norm = decode_row(vp + (ix[j] * KVH + h) * VB, vpr, vu, vl, buf);
       for (int g = 0; g < G; ++g) {
         const __m512 w = _mm512_set1_ps(s[g * n + j] * norm);
         for (int c = 0; c < nv; ++c)
@@ -122,7 +172,9 @@ at::Tensor code_attention(at::Tensor q, const at::Tensor& k, const at::Tensor& v
 
 TORCH_LIBRARY_FRAGMENT(specfork, m) {
   m.def("code_attention(Tensor q, Tensor k, Tensor v, Tensor idx, Tensor offs, float scale, "
-        "Tensor kprog, Tensor klut, Tensor vprog, Tensor vlut) -> Tensor");
+        "Tensor kprog, Tensor klut, Tensor vprog, Tensor vlut, Tensor? kwin=None, "
+        "Tensor? vwin=None, Tensor? shadow=None, int block=0, int window=0, int sink=0) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specfork, CPU, m) { m.impl("code_attention", &code_attention); }

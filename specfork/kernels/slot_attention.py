@@ -110,11 +110,17 @@ def slot_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor
 
 def code_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
                    idx: torch.Tensor, offs: torch.Tensor, scale: float, kprog: torch.Tensor,
-                   klut: torch.Tensor, vprog: torch.Tensor, vlut: torch.Tensor) -> torch.Tensor:
+                   klut: torch.Tensor, vprog: torch.Tensor, vlut: torch.Tensor,
+                   window: tuple | None = None) -> torch.Tensor:
     """`slot_attention` over TurboQuant rows `[S, KVH, nbytes]` uint8, each decoded as it is
-    read with its codec's `cpu_program` (program, centroid units)."""
+    read with its codec's `cpu_program` (program, centroid units). `window`: (float16 shadow
+    K rows, V rows `[slots, KVH, D]`, shadow table `[blocks]` int32, block size, window, sink):
+    a row's last `window` slots and first `sink` are read from their shadow rows."""
     ops = _OPS[0] if _OPS else _load()
-    return ops.code_attention(q, k_rows, v_rows, idx, offs, scale, kprog, klut, vprog, vlut)
+    if window is None:
+        return ops.code_attention(q, k_rows, v_rows, idx, offs, scale, kprog, klut, vprog, vlut)
+    return ops.code_attention(q, k_rows, v_rows, idx, offs, scale, kprog, klut, vprog, vlut,
+                              *window)
 
 
 def row_slots(idx: torch.Tensor, offs: torch.Tensor) -> list:
