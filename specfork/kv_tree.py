@@ -12,7 +12,8 @@ import math
 import torch
 
 
-SHADOW_SLACK = 128       # tokens of shadows kept past a branch's window (see _shadows_needed)
+SHADOW_SLACK = 64        # tokens of shadows a fork keeps past its window: MAX_DRAFT_LEN (see
+                         # KVTree._shadows_needed)
 
 
 class PoolExhausted(RuntimeError):
@@ -403,8 +404,10 @@ class KVTree:
 
     def _shadows_needed(self) -> set[int]:
         """Blocks whose float16 shadows a window may still read: per open branch, the block of
-        its first token (the sink) and those of its last window + SHADOW_SLACK tokens (a verify
-        tree's rows are cut back by at most that much)."""
+        its first token (the sink) and those of its last `window` written tokens (blocks not
+        written yet, `pool.fresh`, do not count as written: a prompt chunk that is cancelled
+        cuts back to them), and for a fork SHADOW_SLACK tokens more (a verify tree's kept
+        fork is cut back to its accepted path, at most a draft's length)."""
         pool, keep = self.pool, set()
         todo = list(self._roots)
         while todo:
@@ -413,8 +416,12 @@ class KVTree:
             if not b.held or not b.alive:
                 continue
             table = self.block_table(b)
-            lo = max(0, b.length - pool.window - SHADOW_SLACK) // self.bs
-            keep.update(table[lo:])
+            i = len(table)
+            while i and table[i - 1] in pool.fresh:
+                i -= 1
+            written = min(b.length, i * self.bs)
+            slack = SHADOW_SLACK if b.parent is not None else 0
+            keep.update(table[max(0, written - pool.window - slack) // self.bs:])
             if pool.sink and table:
                 keep.update(table[:-(-pool.sink // self.bs)])
         return keep

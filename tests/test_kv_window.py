@@ -94,7 +94,8 @@ def _prefill(m, pool, kv, b, ids, at=0):
 def test_shadows_live_with_their_blocks_and_are_counted(monkeypatch):
     """Every appended block gets a shadow; a CoW copy carries its source's; when the shadows
     run out, those no open branch's window or sink reads are given back before the store
-    grows; releasing the branches gives back the rest; the bytes count them."""
+    grows (a window of written tokens: a chunk appended and cut back unrun leaves the one
+    before it readable); releasing the branches gives back the rest; the bytes count them."""
     from specfork import kv_tree
     from specfork.kv_tree import KVTree
     monkeypatch.setattr(kv_tree, "SHADOW_SLACK", 0)
@@ -121,6 +122,11 @@ def test_shadows_live_with_their_blocks_and_are_counted(monkeypatch):
     assert all(pool.shadow_of[x] < 0 for x in table[1:(38 - 6) // 4])
     assert pool.sk.shape[1] == 16                              # swept instead of growing
     assert not kv.window_ready(b, 20) and kv.window_ready(b, 38)
+    kv.append(b, 30)                                 # a prompt chunk planned, not run: a sweep
+    pool.sweep_shadows()                             # keeps the window of b's written tokens
+    kv.truncate(b, 38)
+    assert kv.window_ready(b, 38)
+    _prefill(m, pool, kv, b, [9], at=38)
     for x in (b, f, c):
         kv.release(x)
     assert pool.used_blocks == 0 and pool.shadows_in_use == 0 and pool.bytes_in_use == 0
