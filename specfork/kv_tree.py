@@ -14,6 +14,9 @@ import torch
 
 SHADOW_SLACK = 64        # tokens of shadows a fork keeps past its window: MAX_DRAFT_LEN (see
                          # KVTree._shadows_needed)
+SHADOW_START = 4         # shadow blocks to start with: one branch's window of 32 and its sink;
+                         # the store sweeps whenever it runs out, so the shadows in use stay near
+                         # what open windows need, and grows only beyond that
 
 
 class PoolExhausted(RuntimeError):
@@ -87,7 +90,7 @@ class BlockPool:
         self.sk = self.sv = None
         self.peak_shadows = 0
         if window or sink:
-            self._grow_shadows(16)
+            self._grow_shadows(SHADOW_START)
         # tensor parallelism: called as mirror(method name, *args) before a method that moves
         # K/V data runs, so every rank's pool applies it too (specfork/parallel.py)
         self.mirror = None

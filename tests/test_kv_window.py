@@ -99,6 +99,7 @@ def test_shadows_live_with_their_blocks_and_are_counted(monkeypatch):
     from specfork import kv_tree
     from specfork.kv_tree import KVTree
     monkeypatch.setattr(kv_tree, "SHADOW_SLACK", 0)
+    monkeypatch.setattr(kv_tree, "SHADOW_START", 16)
     m = tiny_model(kv_cache="turbo3", hidden=128, kv_window=6)
     pool = m.make_pool(num_blocks=64, block_size=4)
     kv = KVTree(pool)
