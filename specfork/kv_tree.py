@@ -142,8 +142,8 @@ class BlockPool:
         need = [b for b in blocks if self.shadow_of[b] < 0]
         if len(need) > len(self.shadow_free):
             self.sweep_shadows()
-        if len(need) > len(self.shadow_free):
-            self._grow_shadows(max(len(need), self.sk.shape[1]))
+        if len(need) > len(self.shadow_free):      # what is missing, or a quarter more
+            self._grow_shadows(max(len(need) - len(self.shadow_free), self.sk.shape[1] // 4))
         for b in need:
             self.shadow_of[b] = self.shadow_free.pop()
         self.fresh.update(need)
@@ -326,8 +326,8 @@ class KVTree:
         if new:
             got = pool.alloc(new)
             br.blocks.extend(got)
-            pool.shadow_alloc(got)
-        br.length = end
+            pool.shadow_alloc(got)       # before the length moves: a sweep in it keeps the
+        br.length = end                  # window of the tokens before these
         return self._slots(br, pos, end)
 
     def truncate(self, br: Branch, n: int) -> None:

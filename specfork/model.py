@@ -559,6 +559,8 @@ class Model:
             if self.num_layers in capture:               # EAGLE-1: every row's final norm
                 kept[self.num_layers] = self.rms_norm(x, self.norm)
             feats = torch.cat([kept[i] for i in capture], dim=-1)
+        if shadow is not None and shadow.numel() > pool.window:
+            pool.sweep_shadows()         # a prompt chunk: keep only what windows read next
         if logits_idx is not None:
             x = x[logits_idx]
         logits = (self.lm_head if head is None else head)(self.rms_norm(x, self.norm))

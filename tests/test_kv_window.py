@@ -92,10 +92,11 @@ def _prefill(m, pool, kv, b, ids, at=0):
 
 
 def test_shadows_live_with_their_blocks_and_are_counted(monkeypatch):
-    """Every appended block gets a shadow; a CoW copy carries its source's; when the shadows
-    run out, those no open branch's window or sink reads are given back before the store
-    grows (a window of written tokens: a chunk appended and cut back unrun leaves the one
-    before it readable); releasing the branches gives back the rest; the bytes count them."""
+    """Every appended block gets a shadow until the forward that writes it; after a prompt
+    chunk's forward, and whenever they run out, the shadows no open branch's window or sink
+    reads are given back (the window of written tokens: a chunk appended and cut back unrun
+    leaves the one before it readable); a CoW copy carries its source's; releasing the
+    branches gives back the rest; the bytes count them."""
     from specfork import kv_tree
     from specfork.kv_tree import KVTree
     monkeypatch.setattr(kv_tree, "SHADOW_SLACK", 0)
@@ -105,23 +106,31 @@ def test_shadows_live_with_their_blocks_and_are_counted(monkeypatch):
     kv = KVTree(pool)
     assert pool.window == 6 and pool.sink == 1 and pool.sk.shape[1] == 16
     b = kv.new_branch()
-    _prefill(m, pool, kv, b, list(range(1, 39)))               # 38 tokens: 10 blocks
+    kv.append(b, 38)                                           # 38 tokens: 10 blocks
     table = kv.block_table(b)
     assert all(pool.shadow_of[x] >= 0 for x in table) and pool.shadows_in_use == 10
     assert pool.bytes_in_use == 10 * pool.block_bytes + 10 * pool.shadow_block_bytes
+    kv.truncate(b, 0)
+    _prefill(m, pool, kv, b, list(range(1, 39)))               # written: the window stays
+    table = kv.block_table(b)
+    need = {table[0], *table[(38 - 6) // 4:]}                  # sink block, last 6 tokens
+    assert {x for x in table if pool.shadow_of[x] >= 0} == need
+    assert pool.bytes_in_use == 10 * pool.block_bytes + 3 * pool.shadow_block_bytes
     f = kv.fork(b)                                             # shares the partial last block
     _prefill(m, pool, kv, f, [5], at=38)
     assert kv.block_table(f)[-1] != table[-1] and pool.shadow_of[kv.block_table(f)[-1]] >= 0
     torch.testing.assert_close(pool.sk[:, int(pool.shadow_of[kv.block_table(f)[-1]]), :2],
                                pool.sk[:, int(pool.shadow_of[table[-1]]), :2], atol=0, rtol=0)
-    c = kv.new_branch()                                        # 9 more blocks: a sweep
-    _prefill(m, pool, kv, c, list(range(2, 38)))
-    need = {table[0], *table[(38 - 6) // 4:]}                  # b: sink block, last 6 tokens
-    fb = kv.block_table(f)
-    need |= {fb[0], *fb[(39 - 6) // 4:]}
-    assert all(pool.shadow_of[x] >= 0 for x in need)
-    assert all(pool.shadow_of[x] < 0 for x in table[1:(38 - 6) // 4])
-    assert pool.sk.shape[1] == 16                              # swept instead of growing
+    c = kv.new_branch()
+    _prefill(m, pool, kv, c, list(range(2, 38)))               # 9 blocks
+    fb, cb = kv.block_table(f), kv.block_table(c)
+    need |= {fb[0], *fb[(39 - 6) // 4:], cb[0], *cb[(36 - 6) // 4:]}
+    shadowed = {x for x in range(pool.num_blocks) if pool.shadow_of[x] >= 0}
+    assert shadowed == need and pool.sk.shape[1] == 16
+    d = kv.new_branch()
+    kv.append(d, 60)                                 # 15 blocks: more than are free, so a
+    assert pool.sk.shape[1] == 16 + 15 - (16 - len(need))      # sweep, then the store grows
+    kv.release(d)
     assert not kv.window_ready(b, 20) and kv.window_ready(b, 38)
     kv.append(b, 30)                                 # a prompt chunk planned, not run: a sweep
     pool.sweep_shadows()                             # keeps the window of b's written tokens
@@ -263,9 +272,10 @@ def test_sessions_under_a_window_fork_copy_and_feed_several_branches():
 
 def test_engine_batches_and_prefix_cache_under_a_window(monkeypatch):
     """Requests batched in one loop (prompts in chunks while others decode, n-gram trees)
-    emit what each emits alone; with the prefix cache, a request sharing a cached prompt's
-    start forks it while its window's shadows are there, and is prefilled anew once they were
-    given back (a sweep); the tokens of a request without the cache either way; nothing
+    emit what each emits alone. With the prefix cache, a request continuing a cached
+    conversation forks it (its window lies at the entry's end, where the shadows stay); one
+    that shares only an early part of it is prefilled anew (that window's shadows were given
+    back after the prompt's forward); both emit what they emit without the cache; nothing
     leaks."""
     from specfork import kv_tree
     from specfork.decoder import SpecDecoder
@@ -281,14 +291,13 @@ def test_engine_batches_and_prefix_cache_under_a_window(monkeypatch):
     dec.engine.run(reqs)
     assert [r.out for r in reqs] == alone
     assert dec.pool.used_blocks == 0 and dec.pool.shadows_in_use == 0
-    early, late = prompts[4][:70] + [1, 2, 3], prompts[4][:30] + [77, 78]
-    want = [dec.generate(p, max_new_tokens=16).token_ids for p in (early, late)]
+    more, late = prompts[4] + alone[4] + [1, 2, 3], prompts[4][:30] + [77, 78]
+    want = [dec.generate(p, max_new_tokens=16).token_ids for p in (more, late)]
     dec.engine.configure(prefix_cache=True)
     dec.engine.run([dec.request(prompts[4], 16)[0]])
-    b = dec.request(early, 16)[0]
+    b = dec.request(more, 16)[0]
     dec.engine.run([b])
-    assert b.cached_tokens == 70 and b.out == want[0]
-    dec.pool.sweep_shadows()          # as when the shadows run out
+    assert b.cached_tokens == len(prompts[4]) + 15 and b.out == want[0]
     d = dec.request(late, 16)[0]
     dec.engine.run([d])
     assert d.cached_tokens == 0 and d.out == want[1]
