@@ -81,7 +81,8 @@ class BlockPool:
         # sk/sv `[layers, capacity, block_size, kv_heads, head_dim]`, shadow_of[block] its row
         # block there or -1. Blocks get one when allocated; `shadow_sweep` (the KVTree's)
         # names the blocks some branch's window or sink may still read, and the others give
-        # theirs back when the shadows run out, before the shadow store grows.
+        # theirs back after a prompt chunk's forward and when the shadows run out, before the
+        # shadow store grows.
         self.shadow_of = torch.full((num_blocks if (window or sink) else 0,), -1,
                                     dtype=torch.int32)
         self.shadow_free: list[int] = []
