@@ -91,9 +91,10 @@ def _attend(meta, q, k, v, k_slots, v_slots, scale):
     return o.reshape(T, H, D).to(q.dtype)
 
 
-def study_forward(dec):
-    """Route `dec`'s prefill chunks through `_attend` (AttnMeta.prefill keeps the prefix the
-    chunk reads; `attend` takes the study's path)."""
+def study_forward() -> None:
+    """Route every prefill chunk of this process through `_attend` (AttnMeta.prefill keeps the
+    prefix the chunk reads; `attend` takes the study's path): called once the float32
+    reference perplexity is taken."""
     from specfork.attention import AttnMeta
     build = AttnMeta.prefill.__func__
 
@@ -155,7 +156,7 @@ def _run(a, fmts, command) -> int:
     docs = [module_text(ref.tokenizer, [m], 1024) for m in PPL_MODULES[:a.docs]]
     base = ppl(ref, docs)
     f16 = SpecDecoder(ref.model, ref.tokenizer).pool.bytes_per_token // 2     # float32 / 2
-    study_forward(ref)
+    study_forward()
     rows = []
     for fmt in fmts:
         coded = SpecDecoder.from_pretrained(kv_cache=fmt, weights="float32")   # calibrated

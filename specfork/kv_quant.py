@@ -506,19 +506,16 @@ def check_window_flags(window, kv_cache: str, ranks: int = 1) -> None:
         raise SpecforkError("--kv-window does not run under --tensor-parallel yet")
 
 
-def check_window(window: int, codecs: list | None, device) -> tuple[int, int]:
-    """(window, sink) of a KV window of `window` tokens, or a one-line error where it cannot
-    run: a window reads float16 shadows beside TurboQuant codes (`BlockPool`), through the
-    CPU slot op (kernels/code_attention.cpp), the one attention path that reads them so far."""
+def check_window(window: int, kv_cache: str, head_dim: int, device) -> tuple[int, int]:
+    """(window, sink) of a KV window of `window` tokens over the (resolved) format `kv_cache`,
+    or a one-line error where it cannot run: a window reads float16 shadows beside TurboQuant
+    codes (`BlockPool`), through the CPU slot op (kernels/code_attention.cpp), the one
+    attention path that reads them so far."""
+    check_window_flags(window, kv_cache)
     if window == 0:
         return 0, 0
-    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
-        raise SpecforkError(f"--kv-window must be a token count >= 0, not {window!r}")
-    if codecs is None or not codecs[0][0].rotated or codecs[0][0].prod:
-        raise SpecforkError("--kv-window needs a TurboQuant KV format (--kv-cache turbo4, "
-                            "turbo3.5, turbo3 or turbo2.5)")
     from specfork.kernels import slot_attention as slot_op
-    if torch.device(device).type != "cpu" or not slot_op.available(codecs[0][0].D):
+    if torch.device(device).type != "cpu" or not slot_op.available(head_dim):
         raise SpecforkError("--kv-window reads through the CPU slot op, which is not built "
                             "for this device (the GPU kernel does not read windows yet)")
     return window, WINDOW_SINK

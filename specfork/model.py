@@ -319,7 +319,8 @@ class Model:
         self.kv_cache = resolve_kv(kv_cache, low, self.dtype, self.device, self.head_dim)
         self.kv_codecs = layer_codecs(self.kv_cache, self.num_layers, self.head_dim, self.dtype,
                                       self.device)
-        self.kv_window, self.kv_sink = check_window(kv_window, self.kv_codecs, self.device)
+        self.kv_window, self.kv_sink = check_window(kv_window, self.kv_cache, self.head_dim,
+                                                    self.device)
         # A stored K/V format other than the model's dtype (float16 or TurboQuant codes) turns
         # last-bit differences into different stored values, and low-bit weights round every
         # matmul differently: under either, a verify tree's token must be computed bit for bit

@@ -97,3 +97,22 @@ def fork_and_copy_continue(m) -> tuple:
         s.release(h)
         clean &= eng.pool.used_blocks == 0 and eng.pool.shadows_in_use == 0
     return outs, clean
+
+
+def spec_and_beams(m) -> tuple:
+    """On `m`: a repetitive prompt decoded plainly and with n-gram speculation (2 paths of 3),
+    then beam search (width 3, 8 tokens) on an engine of its own. Returns (plain output,
+    speculative output, the speculative decoder, the beam result, the beam engine)."""
+    from specfork.decoder import SpecDecoder
+    from specfork.drafters.ngram import NgramDrafter
+    from specfork.engine import Engine
+    from specfork.search import beam_search
+    prompt = [5, 6, 7, 8, 9] * 4 + [5, 6]
+    plain = SpecDecoder(m, None, eos_token_ids=[], max_kv_tokens=128)
+    spec = SpecDecoder(m, None, [NgramDrafter()], num_paths=2, draft_len=3, eos_token_ids=[],
+                       max_kv_tokens=128)
+    want = plain.generate(prompt, max_new_tokens=24)
+    got = spec.generate(prompt, max_new_tokens=24)
+    eng = Engine(m, None, max_kv_tokens=256, eos_token_ids=[])
+    res = beam_search(eng, prompt, num_beams=3, max_new_tokens=8)
+    return want, got, spec, res, eng

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import fork_and_copy_continue, tiny_model, tree_and_steps
+from conftest import fork_and_copy_continue, spec_and_beams, tiny_model, tree_and_steps
 from specfork.errors import SpecforkError
 from specfork.kv_quant import (TurboCodec, layer_codecs, lloyd_max, pack_bits,
                                parse_kv_format, rotation, unpack_bits)
@@ -259,22 +259,10 @@ def test_verify_rows_equal_decode_steps_bit_for_bit(fmt):
 def test_speculation_and_beams_on_a_compressed_pool(fmt):
     """n-gram speculation gives plain decoding's tokens under the same KV format, beam search
     runs on it; nothing leaks."""
-    from specfork.decoder import SpecDecoder
-    from specfork.drafters.ngram import NgramDrafter
-    from specfork.engine import Engine
-    from specfork.search import beam_search
-    m = _tiny_model(fmt)
-    prompt = [5, 6, 7, 8, 9] * 4 + [5, 6]
-    plain = SpecDecoder(m, None, eos_token_ids=[], max_kv_tokens=128)
-    spec = SpecDecoder(m, None, [NgramDrafter()], num_paths=2, draft_len=3, eos_token_ids=[],
-                       max_kv_tokens=128)
-    want = plain.generate(prompt, max_new_tokens=24)
-    got = spec.generate(prompt, max_new_tokens=24)
+    want, got, spec, res, eng = spec_and_beams(_tiny_model(fmt))
     assert got.token_ids == want.token_ids and got.stats["tree_steps"] > 0
     assert got.stats["kv_blocks_leaked"] == 0
     assert got.stats["kv_bytes_per_token"] == spec.pool.bytes_per_token
-    eng = Engine(m, None, max_kv_tokens=256, eos_token_ids=[])
-    res = beam_search(eng, prompt, num_beams=3, max_new_tokens=8)
     assert len(res.token_ids) == 8 and eng.pool.used_blocks == 0
 
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import fork_and_copy_continue, tiny_model, tree_and_steps
+from conftest import fork_and_copy_continue, spec_and_beams, tiny_model, tree_and_steps
 from specfork.errors import SpecforkError
 from specfork.kernels import slot_attention as slot_op
 from specfork.kv_quant import TurboCodec
@@ -187,21 +187,10 @@ def test_a_window_reads_closer_to_float32_and_a_fork_attends_like_a_linear_cache
 def test_speculation_and_beams_under_a_window():
     """n-gram speculation gives plain decoding's tokens under the same format and window;
     beam search runs; nothing leaks, shadows included."""
-    from specfork.decoder import SpecDecoder
-    from specfork.drafters.ngram import NgramDrafter
-    from specfork.engine import Engine
-    from specfork.search import beam_search
-    m = tiny_model(kv_cache="turbo3.5", hidden=128, kv_window=6)
-    prompt = [5, 6, 7, 8, 9] * 4 + [5, 6]
-    plain = SpecDecoder(m, None, eos_token_ids=[], max_kv_tokens=128)
-    spec = SpecDecoder(m, None, [NgramDrafter()], num_paths=2, draft_len=3, eos_token_ids=[],
-                       max_kv_tokens=128)
-    want = plain.generate(prompt, max_new_tokens=24)
-    got = spec.generate(prompt, max_new_tokens=24)
+    want, got, spec, res, eng = spec_and_beams(tiny_model(kv_cache="turbo3.5", hidden=128,
+                                                          kv_window=6))
     assert got.token_ids == want.token_ids and got.stats["tree_steps"] > 0
     assert got.stats["kv_blocks_leaked"] == 0 and spec.pool.shadows_in_use == 0
-    eng = Engine(m, None, max_kv_tokens=256, eos_token_ids=[])
-    res = beam_search(eng, prompt, num_beams=3, max_new_tokens=8)
     assert len(res.token_ids) == 8 and eng.pool.used_blocks == 0
     assert eng.pool.shadows_in_use == 0
 
